@@ -1,0 +1,5 @@
+"""gefen-dist."""
+
+from ._version import __version__
+
+__all__ = ["__version__"]

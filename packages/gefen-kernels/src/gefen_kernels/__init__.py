@@ -1,0 +1,5 @@
+"""gefen-kernels."""
+
+from ._version import __version__
+
+__all__ = ["__version__"]

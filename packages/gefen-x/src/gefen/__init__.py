@@ -1,0 +1,5 @@
+"""gefen-x."""
+
+from ._version import __version__
+
+__all__ = ["__version__"]

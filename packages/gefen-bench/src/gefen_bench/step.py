@@ -1,0 +1,295 @@
+"""``gefen-bench step``: the optimizer-step micro-benchmark with a copy-bandwidth roofline.
+
+Method (ANCHOR-FIGURES.md): parameter sets built from GPT-2- and Llama-3.2-1B shapes
+(:mod:`.param_sets`), random-normal values, fixed random-normal bf16 gradients, lr=1e-4,
+weight_decay=0, other hyperparameters at their defaults. Each optimizer runs in its own
+process (with a timeout; failures are reported verbatim) which first steps a tiny 3-tensor
+set, so one-time process costs (imports, JIT, lazy kernel loading) stay out of the
+first-step figure. Per model: 1 first step, ``--warmup`` steps, then ``--steps`` timed
+steps, each timed with CUDA events after a device synchronisation (so host launch gaps
+count); host-issue ms is how long ``step()`` takes to return on the host.
+
+Columns: median step ms; host-issue ms (median); first-step ms; state B/param (distinct
+storages reachable from the optimizer, :mod:`.state_bytes`); alloc-delta B/param (growth of
+``memory_allocated`` from before the optimizer was built to after all steps); peak extra MiB
+(``max_memory_allocated`` − ``memory_allocated`` before a step, after
+``reset_peak_memory_stats``; max over 3 steady steps, and for the first step, which includes
+allocating the state); eff GB/s = the optimizer's minimal bytes/param (registry) × params /
+median step; % of the device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.markup import escape
+
+from . import optimizers as registry
+from .jobs import run_job
+from .measure import resolve_device, synchronize
+from .param_sets import MODELS, SCALES, build_param_set, numel, shapes_for
+from .report import console, mib, print_table, write_json
+from .state_bytes import state_bytes_per_param
+
+STEP_DEFAULT = ("gefen", "gefen-blockv", "adamw-fused", "adamw-foreach", "muon",
+                "gefen-muon-hybrid", "gefen-muon-hybrid-adamw", "gefenx-0.5",
+                "gefenx-0.5-blockv", "gefen-1.2")
+_COPY_BYTES = {"cuda": 4 * 2**30, "cpu": 256 * 2**20}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register ``step``'s options on ``parser``."""
+    parser.add_argument("--models", default="gpt2,llama",
+                        help="comma-separated parameter sets: gpt2, llama (default both)")
+    parser.add_argument("--optimizers", default=None,
+                        help="comma-separated optimizer names (default: " + ",".join(STEP_DEFAULT)
+                        + "; unavailable ones are reported as skipped)")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps (default 50)")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="warm-up steps after the first step (default 5)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
+    parser.add_argument("--scale", default="full", choices=SCALES,
+                        help="full shapes, or tiny ones with the same structure (CPU tests)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="parameter and gradient dtype (default bfloat16)")
+    parser.add_argument("--target", action="append", metavar="PKG=DIR",
+                        help="published package dir (pip install --no-deps --target DIR): "
+                             "gefen-x=DIR (0.5.x) or gefen=DIR (1.2.x)")
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds per optimizer process (default 900)")
+    parser.add_argument("--out", type=Path, default=Path("gefen-bench-out/step"),
+                        help="directory for step.json")
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _copy_bandwidth(device: torch.device, repeats: int = 20) -> dict[str, Any]:
+    n_bytes = _COPY_BYTES[device.type] if device.type in _COPY_BYTES else 2**28
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    median = _median(times)
+    return {"buffer_bytes": n_bytes, "median_s": median,
+            "gb_per_s": 2 * n_bytes / median / 1e9,
+            "method": f"copy_ of a {n_bytes / 2**30:.2f} GiB buffer, bytes read + written, "
+                      f"median of {repeats}"}
+
+
+class _Timer:
+    """Device time of one call (CUDA events, else wall) plus its host-issue time (s)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, float]:
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            h0 = time.perf_counter()
+            fn()
+            host = time.perf_counter() - h0
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3, host
+        h0 = time.perf_counter()
+        fn()
+        host = time.perf_counter() - h0
+        return host, host
+
+
+def _allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _peak_extra(device: torch.device, fn: Callable[[], Any]) -> int | None:
+    if device.type != "cuda":
+        fn()
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.device,
+                 dtype: torch.dtype) -> dict[str, Any]:
+    shapes = shapes_for(model, job["scale"])
+    named = build_param_set(shapes, device=device, dtype=dtype)
+    params = [p for _, p in named]
+    synchronize(device)
+    base = _allocated(device)
+    opts = registry.build(name, named, lr=1e-4, weight_decay=0.0, device=device)
+
+    def step() -> None:
+        for o in opts:
+            o.step()
+
+    timer = _Timer(device)
+    first_peak: int | None = None
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    before_first = _allocated(device)
+    first_s, _ = timer(step)
+    if device.type == "cuda":
+        first_peak = torch.cuda.max_memory_allocated(device) - (before_first or 0)
+    for _ in range(job["warmup"]):
+        step()
+    times, hosts = [], []
+    for _ in range(job["steps"]):
+        t, h = timer(step)
+        times.append(t)
+        hosts.append(h)
+    steady_peaks = [_peak_extra(device, step) for _ in range(3)]
+    synchronize(device)
+    after = _allocated(device)
+    state = state_bytes_per_param(opts, params)
+    n = numel(shapes)
+    median = _median(times)
+    min_bpp = registry.get_spec(name).min_bytes_per_param
+    result = {
+        "model": model, "optimizer": name, "tensors": len(shapes), "params": n,
+        "step_ms_median": median * 1e3,
+        "step_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
+        "host_issue_ms_median": _median(hosts) * 1e3,
+        "first_step_ms": first_s * 1e3,
+        "state_bytes_per_param": state["bytes_per_param"],
+        "alloc_delta_bytes_per_param": None if base is None or after is None
+        else (after - base) / n,
+        "peak_extra_mib": None if steady_peaks[0] is None
+        else mib(max(p for p in steady_peaks if p is not None)),
+        "first_step_peak_extra_mib": mib(first_peak),
+        "min_bytes_per_param": min_bpp,
+        "eff_gb_per_s": min_bpp * n / median / 1e9,
+        "optimizer_classes": [type(o).__module__ + "." + type(o).__name__ for o in opts],
+    }
+    # Free this model's tensors before the next one is built (the closure holds `opts`).
+    opts.clear()
+    named.clear()
+    params.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def run_step_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Worker: copy bandwidth (``job['mode'] == 'copy'``) or one optimizer over the models."""
+    device = torch.device(job["device"])
+    if job.get("mode") == "copy":
+        return _copy_bandwidth(device)
+    dtype = getattr(torch, job["dtype"])
+    name = job["optimizer"]
+    # Pre-warm: a tiny 3-tensor set so process one-time costs stay out of the first step.
+    warm = [(f"warm.{i}.weight", torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype)))
+            for i, s in enumerate([(64, 32), (32,), (16, 8)])]
+    for _, p in warm:
+        p.grad = torch.randn_like(p)
+    for o in registry.build(name, warm, lr=1e-4, weight_decay=0.0, device=device):
+        for _ in range(3):
+            o.step()
+    rows = []
+    for model in job["models"]:
+        rows.append(_bench_model(name, model, job, device, dtype))
+        emit({"event": "progress", "label": name, "done": len(rows),
+              "total": len(job["models"])})
+    return {"rows": rows, "external_version": job.get("external_version")}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the micro-benchmark; prints the table and writes ``step.json`` under ``args.out``."""
+    from .train import parse_assignments
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in models:
+        if m not in MODELS:
+            raise argparse.ArgumentTypeError(
+                f"--models: unknown model {m!r}; available: {', '.join(MODELS)}")
+    if args.steps < 1 or args.warmup < 0:
+        raise argparse.ArgumentTypeError("--steps must be >= 1 and --warmup >= 0")
+    names = (registry.parse_names(args.optimizers) if args.optimizers
+             else list(STEP_DEFAULT))
+    targets = parse_assignments(args.target, "--target")
+    for key in targets:
+        if key not in registry.EXTERNAL_PACKAGES:
+            raise argparse.ArgumentTypeError(
+                f"--target {key}=...: unknown package; use one of "
+                f"{', '.join(registry.EXTERNAL_PACKAGES)}")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--device {args.device}: {exc}") from None
+    skipped = {n: r for n in names if (r := registry.availability(n, targets)) is not None}
+    for n, reason in skipped.items():
+        console.print(f"[yellow]skipped[/yellow] {n}: {escape(reason)}")
+    start = time.perf_counter()
+    base = {"kind": "step", "device": str(device), "dtype": args.dtype, "scale": args.scale,
+            "models": models, "steps": args.steps, "warmup": args.warmup}
+    copy = run_job({**base, "mode": "copy"}, timeout_s=args.timeout)
+    bandwidth: dict[str, Any] = (copy.result if copy.status == "ok" and copy.result
+                                 else {"error": copy.error})
+    console.print(f"copy bandwidth: {bandwidth.get('gb_per_s', float('nan')):.0f} GB/s "
+                  f"({bandwidth.get('method', bandwidth.get('error'))})")
+    rows: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
+    for n in names:
+        if n in skipped:
+            continue
+        job = {**base, "optimizer": n}
+        spec = registry.get_spec(n)
+        if spec.external is not None:
+            job["target"] = targets[spec.external]
+        console.print(f"running {n} ...")
+        out = run_job(job, timeout_s=args.timeout)
+        if out.status == "ok" and out.result is not None:
+            for row in out.result["rows"]:
+                row["external_version"] = out.result.get("external_version")
+                ceiling = bandwidth.get("gb_per_s")
+                row["pct_copy_bw"] = 100 * row["eff_gb_per_s"] / ceiling if ceiling else None
+                rows.append(row)
+        else:
+            failed[n] = f"{out.status}: {out.error}"
+            console.print(f"[red]{n} {out.status}[/red]: "
+                          + escape(f"{out.error}\n{out.stderr_tail[-3000:]}"))
+    wall = time.perf_counter() - start
+    columns = ["optimizer", "model", "step ms median", "host-issue ms", "first-step ms",
+               "state B/param", "alloc-delta B/param", "peak extra MiB",
+               "first-step peak MiB", "min B/param", "eff GB/s", "% copy BW"]
+    table = [[r["optimizer"], r["model"], r["step_ms_median"], r["host_issue_ms_median"],
+              r["first_step_ms"], r["state_bytes_per_param"], r["alloc_delta_bytes_per_param"],
+              r["peak_extra_mib"], r["first_step_peak_extra_mib"], r["min_bytes_per_param"],
+              r["eff_gb_per_s"], r["pct_copy_bw"]] for r in sorted(rows, key=lambda r: r["model"])]
+    print_table(f"gefen-bench step · {device} · {args.dtype} · {args.scale} shapes · "
+                f"{args.steps} timed steps", columns, table)
+    report = {"device": str(device), "dtype": args.dtype, "scale": args.scale,
+              "models": models, "steps": args.steps, "warmup": args.warmup,
+              "copy_bandwidth": bandwidth, "rows": rows, "skipped": skipped, "failed": failed,
+              "wall_s": wall}
+    path = write_json(args.out / "step.json", "step", report, seeds=[0],
+                      argv=getattr(args, "argv", None))
+    console.print(f"wall {wall:.0f} s · JSON: {path.resolve()}")
+    return report

@@ -1,0 +1,109 @@
+"""Building blocks: state counting, data splits, parameter sets, worker failures."""
+
+from __future__ import annotations
+
+import argparse
+import zlib
+
+import pytest
+import torch
+
+from gefen_bench import optimizers as registry
+from gefen_bench.data import eval_offsets, gather_windows, split_of, stdlib_corpus, window_offsets
+from gefen_bench.jobs import run_job
+from gefen_bench.param_sets import numel, shapes_for
+from gefen_bench.state_bytes import state_bytes
+from gefen_bench.train import parse_lr_overrides
+
+
+def test_state_bytes_counts_each_storage_once_and_excludes_params() -> None:
+    p = torch.nn.Parameter(torch.zeros(10))
+    p.grad = torch.zeros(10)
+    opt = torch.optim.SGD([p], lr=0.1)
+    shared = torch.zeros(6, dtype=torch.float64)  # 48 bytes
+    opt.state[p] = {"a": shared, "b": shared[2:], "c": torch.zeros(3, dtype=torch.uint8),
+                    "param_alias": p.detach(), "grad_alias": p.grad.view(2, 5),
+                    "nested": [{"d": torch.zeros(2, dtype=torch.int16)}]}
+    assert state_bytes([opt], [p]) == 48 + 3 + 4
+
+
+def test_state_bytes_of_torch_adamw_matches_its_definition() -> None:
+    params = [torch.nn.Parameter(torch.randn(7, 3)), torch.nn.Parameter(torch.randn(5))]
+    opt = torch.optim.AdamW(params, foreach=False)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    # exp_avg and exp_avg_sq in fp32 and a 0-dim fp32 `step` per parameter.
+    assert state_bytes([opt], params) == 2 * 4 * 26 + 2 * 4
+
+
+def test_split_is_by_file_and_stable() -> None:
+    assert split_of("os.py") == split_of("os.py")
+    # The rule, restated: CRC-32 of the POSIX relative path, 5% test, 5% validation.
+    for path in ("os.py", "json/decoder.py", "email/_header_value_parser.py", "ast.py"):
+        bucket = zlib.crc32(path.encode()) % 100
+        expected = "test" if bucket < 5 else "val" if bucket < 10 else "train"
+        assert split_of(path) == expected
+
+
+def test_stdlib_corpus_has_disjoint_nonempty_splits() -> None:
+    corpus = stdlib_corpus(max_train_bytes=50_000)
+    assert len(corpus.train) == 50_000
+    assert len(corpus.val) > 10_000 and len(corpus.test) > 10_000
+    assert corpus.files["test"] > 0 and corpus.files["val"] > 0
+    assert corpus.train.dtype == torch.uint8
+    assert bytes(corpus.test[:200].tolist()).isascii() or len(corpus.test) > 0
+
+
+def test_windows_are_deterministic_and_in_range() -> None:
+    a = window_offsets(1000, 16, 64, seed=3)
+    assert torch.equal(a, window_offsets(1000, 16, 64, seed=3))
+    assert not torch.equal(a, window_offsets(1000, 16, 64, seed=4))
+    assert int(a.max()) + 17 <= 1000
+    stream = torch.arange(100, dtype=torch.uint8)
+    w = gather_windows(stream, torch.tensor([0, 10]), 4)
+    assert w.tolist() == [[0, 1, 2, 3, 4], [10, 11, 12, 13, 14]]
+    e = eval_offsets(100, 4, 5)
+    assert e[0] == 0 and e[-1] == 95
+
+
+def test_param_sets_match_the_published_model_sizes() -> None:
+    # Sizes stated in ANCHOR-FIGURES.md (GPT-2 small; Llama-3.2-1B with an untied head).
+    gpt2, llama = shapes_for("gpt2"), shapes_for("llama")
+    assert (len(gpt2), numel(gpt2)) == (148, 124_439_808)
+    assert (len(llama), numel(llama)) == (147, 1_498_482_688)
+    assert {len(s) for _, s in shapes_for("llama", "tiny")} == {1, 2}
+    assert len(shapes_for("gpt2", "tiny")) == 4 + 12 * 2
+
+
+def test_lr_overrides() -> None:
+    assert parse_lr_overrides(["gefen=3e-3", "digits:adamw=1e-3"]) == {
+        (None, "gefen"): 3e-3, ("digits", "adamw"): 1e-3}
+    with pytest.raises(registry.UnknownOptimizerError, match="available: adamw"):
+        parse_lr_overrides(["sgdx=1"])
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_lr_overrides(["gefen=0"])
+
+
+def test_muon_routing_follows_the_hybrid_rule() -> None:
+    emb = torch.nn.Embedding(10, 4)
+    lin = torch.nn.Linear(4, 4)
+    model = torch.nn.ModuleDict({"tok": emb, "body": lin, "lm_head": torch.nn.Linear(4, 10)})
+    muon, rest = registry.split_for_muon(list(model.named_parameters()), model)
+    assert [n for n, _ in muon] == ["body.weight"]
+    assert {n for n, _ in rest} == {"tok.weight", "body.bias", "lm_head.weight",
+                                    "lm_head.bias"}
+
+
+def test_external_peer_without_target_is_skipped_with_instructions(tmp_path) -> None:
+    reason = registry.availability("gefenx-0.5")
+    assert reason is not None and "pip install --no-deps --target" in reason
+    reason = registry.availability("gefenx-0.5", {"gefen-x": str(tmp_path)})
+    assert reason is not None and "no gefen/__init__.py" in reason
+
+
+def test_worker_failure_is_reported_verbatim() -> None:
+    out = run_job({"kind": "nonsense"}, timeout_s=60)
+    assert out.status == "failed"
+    assert out.error == ("ValueError: unknown job kind 'nonsense'; expected lm, digits, arch "
+                         "or step")

@@ -1,0 +1,56 @@
+"""The per-tensor implementation choice stated in :data:`gefen_core._docs.DISPATCH_RULE`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+Path = Literal["fused", "foreach", "for_loop"]
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def triton_available() -> bool:
+    import gefen_kernels
+
+    return bool(gefen_kernels.triton_available())
+
+
+def fused_blocker(param: Tensor) -> str | None:
+    """Why the fused (Triton) path cannot step ``param``, or ``None`` when it can."""
+    if param.device.type != "cuda":
+        return f"it lives on {param.device.type!r} (the fused kernels run on CUDA only)"
+    if param.dtype not in FUSED_DTYPES:
+        return f"its dtype is {param.dtype} (the fused kernels take fp32, bf16 or fp16)"
+    if not triton_available():
+        return "Triton is not available (install a CUDA build of torch, which brings triton)"
+    return None
+
+
+def is_dtensor(t: Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # builds without torch.distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def is_factored(param: Tensor, group: dict[str, Any]) -> bool:
+    """Factored second moment (§1.11) for plain 2-D tensors when ``factored_v_2d`` is set;
+    sharded (DTensor) matrices use block mode, since local row/column statistics are wrong."""
+    return bool(group["factored_v_2d"]) and param.ndim == 2 and not is_dtensor(param)
+
+
+def choose_path(param: Tensor, group: dict[str, Any], *, deterministic: bool) -> Path:
+    """The implementation that steps ``param`` (see ``DISPATCH_RULE``)."""
+    fused = group["fused"]
+    if fused is not False and fused_blocker(param) is None:
+        if not (deterministic and is_factored(param, group)):
+            return "fused"
+    if group["foreach"] is False:
+        return "for_loop"
+    if group["foreach"] is True or param.device.type == "cuda":
+        return "foreach"
+    return "for_loop"

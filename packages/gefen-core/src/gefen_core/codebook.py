@@ -1,0 +1,475 @@
+"""The shared codebook: histogram bin centres and the exact optimal 256-level quantizer.
+
+ALGORITHM.md §1.8.2-§1.8.3, open choices O4 (integer counts, fp64 sums) and O5 (fewer active
+bins than codewords), weakness §8 item 1 (the cubic textbook recurrence is too slow).
+
+The problem (§1.8.3)
+--------------------
+Points ``x_1 < ... < x_M`` (the active histogram bin centres) with weights ``w_j > 0`` (the
+counts) are partitioned into ``K`` non-empty contiguous segments. Segment 1 is represented by
+the fixed value ``-1``, segment ``K`` by ``+1`` and every other segment by its weighted mean;
+the partition minimises the total weighted squared error. With fp64 prefix sums
+``W, S1, S2`` (accumulated left to right: ``W += w``, ``S1 += w*x``, ``S2 += (w*x)*x``) and a
+segment ``[i..j]`` (``w = W(j) - W(i-1)``, likewise ``s1``, ``s2``) the segment costs are::
+
+    free:             s2 - s1*s1/w
+    fixed centre f:   (s2 - 2f*s1) + f*f*w       (f = -1 or +1)
+
+and the textbook recurrence is ``D[k][j] = min_{i=k..j} D[k-1][i-1] + cost_k(i, j)``, scanning
+``i`` upward and replacing only on strict improvement (ties keep the smallest ``i``).
+
+How this module solves it (exact, numpy only)
+---------------------------------------------
+Every candidate value is computed with exactly the expressions above, in the same order, so
+each value this solver looks at is bit-identical to the textbook's. What changes is which
+candidates are looked at. Two facts of the exact arithmetic make the skipped ones irrelevant:
+
+1. Row monotonicity. For a fixed layer ``k`` the matrix ``A[j][i] = D[k-1][i-1] + cost(i, j)``
+   is Monge (the free 1-D k-means cost satisfies the quadrangle inequality; the fixed-centre
+   cost is additive, so it does too), hence the *leftmost* argmin ``a_k(j)`` is non-decreasing
+   in ``j``, and ``a_k(j) <= a_k(j+1)`` holds for the leftmost argmins.
+2. Layer monotonicity. ``a_{k-1}(j) <= a_k(j)`` for the free layers ``3 <= k <= K-1``: a
+   path-exchange argument shows ``D_{k-2}(j) - D_{k-1}(j)`` is non-decreasing in ``j`` (the
+   first, fixed-centre segment takes part in the exchange through the inequality
+   ``fixed(0, c) + free(b, d) <= fixed(0, d) + free(b, c)`` for ``b < c < d``, true because
+   ``-1`` is left of every point in ``[-1, 1]``), and a leftmost argmin that moved left would
+   contradict it.
+
+Per layer the solver evaluates each row ``j`` on a window ``[L(j), U(j)]`` and returns the
+leftmost minimum inside it. ``L(j) = a_{k-1}(j)`` is a proven lower bound (fact 2). ``U(j)``
+starts as a guess extrapolated from the two previous layers (boundaries drift by about one row
+per layer); the layer is accepted only when ``U(j) >= a_k(j+1)`` holds for every row, the top
+row being scanned in full. By induction from the top row and fact 1 every window then contains
+the leftmost argmin, so the window's leftmost minimum *is* the textbook's choice and its value
+is the textbook's ``D[k][j]``. Rows that fail the check have their windows widened to the
+certified bound ``a_k(j+1)`` (and so do the few rows just below them, for which the same bound
+holds) and only the new candidates are scanned, replacing on strict improvement (the new
+candidates lie to the right, so ties still keep the smallest ``i``), until no row fails. The
+guess only affects speed. Early layers, whose windows from fact 2 would be wide, use a
+level-synchronous divide-and-conquer over rows instead (fact 1 plus the same lower bound):
+each level scans the middle rows of all open row ranges in one vectorised pass. The last layer
+is a single row (``j = M``), scanned in full. Backtracking follows the stored argmins, as the
+textbook does. Scans use a ``[width, rows]`` array when the windows have similar widths and a
+ragged layout with segmented reductions otherwise.
+
+Floating point: the recurrence is a minimum over bit-identical values, so the solver's
+``D[k][j]`` equals the textbook's whenever the window holds a textbook minimiser. The facts above
+are statements about exact arithmetic; the two can only disagree where distinct candidates are
+equal up to rounding (a near-tie decided by the last bit), and then the optimum differs from the
+textbook's by rounding only. Exact ties (equal fp64 values) resolve to the smallest ``i`` on both.
+``tests/test_codebook.py`` checks codebook, cost and tie choices against the textbook recurrence.
+
+Cost: for ``M = 4096``, ``K = 256`` about 5 candidates per row and layer after the first ~15
+layers (about 7 million candidate evaluations in all, against the textbook's 2e9) in about 100
+numpy calls per layer; ``gefen-bench codebook`` prints the measured time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "HISTOGRAM_BINS",
+    "NUM_CODEWORDS",
+    "histogram_bin_centers",
+    "optimal_codebook",
+    "optimal_quantizer",
+]
+
+#: Codebook size K (ALGORITHM.md Appendix A).
+NUM_CODEWORDS = 256
+#: Histogram bins over [-1, 1] (ALGORITHM.md §1.8.2).
+HISTOGRAM_BINS = 4096
+
+ArrayLike = Tensor | np.ndarray | Sequence[float]
+
+# Guess of the upper window bound: U(j) = a1 + max(a1 - a2, 0) + _GUESS_MARGIN with a1, a2 the
+# argmins of the two previous layers _GUESS_AHEAD rows further up (boundaries drift upward by
+# about one row per layer). Only speed depends on these; correctness comes from the check.
+_GUESS_AHEAD = 2
+_GUESS_MARGIN = 1
+# The dense pass covers this percentile of the window widths; wider windows get a second pass.
+_DENSE_QUANTILE = 90
+# A failing row also widens the rows just below it, which would most likely fail next.
+_REPAIR_SPAN = 4
+# Use divide-and-conquer for a layer when its guessed windows hold more candidates than this
+# many times rows * log2(rows).
+_DC_THRESHOLD = 1.0
+
+
+def histogram_bin_centers() -> Tensor:
+    """Centres of the 4096 histogram bins over ``[-1, 1]``; fp32 ``[4096]``, on the CPU.
+
+    Edges are 4097 fp32 points evenly spaced from -1 to 1 and each centre is the fp32 mean of
+    its two edges (ALGORITHM.md §1.8.2), so centre ``b`` is exactly ``(2b - 4095) / 4096``.
+    """
+    edges = torch.linspace(-1.0, 1.0, HISTOGRAM_BINS + 1, dtype=torch.float32)
+    return (edges[:-1] + edges[1:]) / 2
+
+
+def _as_float64(name: str, values: ArrayLike) -> np.ndarray:
+    if isinstance(values, Tensor):
+        if values.is_complex():
+            raise TypeError(f"{name} must be real, got {values.dtype}")
+        values = values.detach().to("cpu", torch.float64).numpy()
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must be real numbers, got dtype {arr.dtype}")
+    arr = arr.astype(np.float64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {list(arr.shape)}")
+    return arr
+
+
+def optimal_quantizer(points: ArrayLike, weights: ArrayLike,
+                      k: int = NUM_CODEWORDS) -> tuple[Tensor, float]:
+    """Exact optimal ``k``-level 1-D quantizer with forced endpoints ``-1`` and ``+1``.
+
+    ALGORITHM.md §1.8.3. With ``M >= k`` points the result is the optimum of the textbook
+    recurrence, with its tie choices (see the module docstring for how it is computed without
+    its ``O(k * M**2)`` cost). With fewer points than codewords (open choice O5, recommendation
+    taken) no point is dropped:
+
+    * ``M <= k - 2`` (or the points already contain ``-1``/``+1`` and the union fits): the
+      codebook is ``-1``, every point, ``+1``, padded to ``k`` entries with copies of the largest
+      point below ``+1`` (or ``-1`` when there is none); cost 0. Duplicates only occur here.
+    * one entry too many (``M = k - 1`` points, neither endpoint among them): the cheapest of
+      assigning the first point to ``-1``, assigning the last point to ``+1``, or merging one
+      adjacent pair into its weighted mean (ties in that order, then the leftmost pair).
+
+    Args:
+        points: 1-D, ``M >= 1`` strictly increasing finite values in ``[-1, 1]`` (tensor, array
+            or sequence; converted to fp64).
+        weights: 1-D, ``M`` finite weights ``> 0`` (e.g. int64 histogram counts; exact in fp64
+            up to ``2**53``).
+        k: number of codewords, ``>= 2`` (default 256).
+
+    Returns:
+        ``(codewords, cost)``: fp64 tensor ``[k]`` sorted ascending with ``codewords[0] = -1``
+        and ``codewords[-1] = +1`` (strictly increasing when ``M >= k``), and the minimal total
+        weighted squared error as a Python float.
+
+    Raises:
+        TypeError: non-numeric inputs or a non-int ``k``.
+        ValueError: shapes differ, ``M = 0``, points not strictly increasing, outside
+            ``[-1, 1]`` or non-finite, weights not finite and positive, or ``k < 2``.
+    """
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    if k < 2:
+        raise ValueError(f"k must be >= 2 (the endpoints -1 and +1 are forced), got {k}")
+    x = _as_float64("points", points)
+    w = _as_float64("weights", weights)
+    if x.shape != w.shape:
+        raise ValueError(f"points and weights must have the same length, got {x.size} and "
+                         f"{w.size}")
+    if x.size == 0:
+        raise ValueError("points is empty: at least one point with positive weight is needed")
+    if not np.isfinite(x).all() or x[0] < -1.0 or x[-1] > 1.0:
+        raise ValueError("points must be finite and inside [-1, 1]")
+    if x.size > 1 and not (np.diff(x) > 0).all():
+        raise ValueError("points must be strictly increasing (merge duplicates, summing their "
+                         "weights)")
+    if not np.isfinite(w).all() or not (w > 0).all():
+        raise ValueError("weights must be finite and > 0 (drop points with zero weight)")
+    if x.size >= k:
+        codewords, cost = _LayeredDP(x, w, k).solve()
+    else:
+        codewords, cost = _few_points(x, w, k)
+    return torch.from_numpy(codewords), cost
+
+
+def optimal_codebook(counts: Tensor) -> Tensor:
+    """The Gefen codebook learned from a 4096-bin histogram; fp32 ``[256]`` on the CPU.
+
+    ALGORITHM.md §1.8.2-§1.8.3: the active bins (``count > 0``) give the points (their fp32
+    centres, :func:`histogram_bin_centers`) and weights (the counts, kept as integers until the
+    fp64 prefix sums, open choice O4); :func:`optimal_quantizer` with ``k = 256`` solves it and
+    the fp64 codewords are rounded to fp32. With ``M >= 256`` active bins the result is strictly
+    increasing (segment means are at least one bin width, ``2**-11``, apart), ``c[0] = -1`` and
+    ``c[255] = +1``; with fewer, see :func:`optimal_quantizer` (open choice O5).
+
+    Args:
+        counts: integer tensor ``[4096]`` (int64 as produced by ``gefen_kernels.histogram``),
+            any device, non-negative, not all zero.
+
+    Raises:
+        TypeError: ``counts`` is not an integer tensor.
+        ValueError: wrong shape, a negative count, or no count at all.
+    """
+    if not isinstance(counts, Tensor):
+        raise TypeError(f"counts must be a torch.Tensor, got {type(counts).__name__}")
+    if counts.dtype.is_floating_point or counts.is_complex() or counts.dtype == torch.bool:
+        raise TypeError(f"counts must be an integer tensor (int64 histogram counts), got "
+                        f"{counts.dtype}")
+    if tuple(counts.shape) != (HISTOGRAM_BINS,):
+        raise ValueError(f"counts must have shape [{HISTOGRAM_BINS}], got "
+                         f"{list(counts.shape)}")
+    c = counts.detach().to("cpu", torch.int64).numpy()
+    if (c < 0).any():
+        raise ValueError("counts must be non-negative")
+    active = np.flatnonzero(c)
+    if active.size == 0:
+        raise ValueError("counts are all zero: no gradient was binned, nothing to learn")
+    centers = histogram_bin_centers().numpy().astype(np.float64)
+    codewords, _ = optimal_quantizer(centers[active], c[active].astype(np.float64),
+                                     NUM_CODEWORDS)
+    return codewords.to(torch.float32)
+
+
+def _few_points(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float]:
+    """O5: fewer points than codewords; keep every point, insert the endpoints."""
+    inner = x[(x > -1.0) & (x < 1.0)]
+    if inner.size + 2 <= k:
+        pad_value = inner[-1] if inner.size else -1.0
+        out = np.concatenate([[-1.0], inner, np.full(k - 2 - inner.size, pad_value), [1.0]])
+        return np.sort(out, kind="stable"), 0.0
+    # inner.size == k - 1 == M: neither endpoint is a point; one reduction is needed.
+    first = w[0] * (x[0] + 1.0) ** 2
+    last = w[-1] * (x[-1] - 1.0) ** 2
+    wl, wr = w[:-1], w[1:]
+    merge = wl * wr / (wl + wr) * (x[1:] - x[:-1]) ** 2
+    best = int(np.argmin(merge))
+    options = [first, last, float(merge[best])]
+    choice = int(np.argmin(options))
+    if choice == 0:
+        out = np.concatenate([[-1.0], x[1:], [1.0]])
+    elif choice == 1:
+        out = np.concatenate([[-1.0], x[:-1], [1.0]])
+    else:
+        mean = (wl[best] * x[best] + wr[best] * x[best + 1]) / (wl[best] + wr[best])
+        out = np.concatenate([[-1.0], x[:best], [mean], x[best + 2:], [1.0]])
+    return out, float(options[choice])
+
+
+class _LayeredDP:
+    """The layered recurrence of §1.8.3 with monotone-argmin windows (module docstring).
+
+    Indices: points are ``1..M``; prefix arrays have ``M + 1`` entries (index ``r`` = the first
+    ``r`` points). Layer ``k`` has rows ``j = k .. k + R - 1`` with ``R = M - K + 1`` (the other
+    rows cannot lead to a ``K``-segment partition); row offset ``r = j - k``. ``D`` buffers are
+    indexed by ``j``; argmins are stored per layer by row offset.
+    """
+
+    def __init__(self, x: np.ndarray, w: np.ndarray, k: int) -> None:
+        m = x.size
+        self.m, self.k, self.rows = m, k, m - k + 1
+        wx = w * x
+        # Rows: W, S1, S2 (prefix sums at index r = the first r points) and D[k-1] of the layer
+        # being read.
+        self.tab = np.zeros((4, m + 1))
+        np.cumsum(w, out=self.tab[0, 1:])
+        np.cumsum(wx, out=self.tab[1, 1:])
+        np.cumsum(wx * x, out=self.tab[2, 1:])
+        self.pw, self.ps1, self.ps2, self.dprev = self.tab  # contiguous rows
+        self.arange = np.arange(max(4 * m + 16, 1 << 12), dtype=np.int64)
+        self.cols = np.arange(64, dtype=np.int64)[:, None]
+
+    # -- candidate scans ---------------------------------------------------------------------
+    def _ensure_arange(self, n: int) -> np.ndarray:
+        if n > self.arange.size:
+            self.arange = np.arange(2 * n, dtype=np.int64)
+        return self.arange
+
+    def _scan(self, j: np.ndarray, lo: np.ndarray,
+              hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Leftmost minimum over ``i in [lo, hi]`` (``hi >= lo``) of the free-cost candidates.
+
+        Returns ``(D values, argmins)`` per row; padded dense layout when the windows have
+        similar widths, ragged otherwise. ``D[k-1]`` is ``self.tab[3]``.
+        """
+        cnt = hi - lo + 1
+        width = int(cnt.max())
+        if width * j.size <= 2 * int(cnt.sum()) + 64:
+            return self._scan_dense(self.pw.take(j), self.ps1.take(j), self.ps2.take(j), lo, hi,
+                                    width)
+        return self._scan_ragged(j, lo, hi, cnt)
+
+    def _scan_ragged(self, j: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                     cnt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = j.size
+        ends = np.cumsum(cnt)
+        total = int(ends[-1])
+        starts = ends - cnt
+        ar = self._ensure_arange(total)
+        row = np.repeat(ar[:n], cnt)
+        im1 = ar[:total] + np.repeat(lo - 1 - starts, cnt)
+        jr = j.take(row)
+        ww = self.pw.take(jr) - self.pw.take(im1)
+        s1 = self.ps1.take(jr) - self.ps1.take(im1)
+        s2 = self.ps2.take(jr) - self.ps2.take(im1)
+        val = self.dprev.take(im1) + (s2 - s1 * s1 / ww)
+        best = np.minimum.reduceat(val, starts)
+        first = np.minimum.reduceat(np.where(val == best.take(row), im1, total + self.m),
+                                    starts)
+        return best, first + 1
+
+    def _scan_dense(self, wj: np.ndarray, s1j: np.ndarray, s2j: np.ndarray, lo: np.ndarray,
+                    hi: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Leftmost minimum over ``i in [lo, min(hi, lo + width - 1)]``, ``[width, n]`` layout.
+
+        ``wj, s1j, s2j`` are W, S1, S2 at the rows. Columns past ``hi`` repeat candidate
+        ``hi``: the same value at a larger position, so neither the minimum nor the leftmost
+        argmin changes.
+        """
+        if width > self.cols.shape[0]:
+            self.cols = np.arange(width, dtype=np.int64)[:, None]
+        im1 = (lo - 1) + self.cols[:width]
+        np.minimum(im1, hi - 1, out=im1)
+        ww = wj - self.pw.take(im1)
+        s1 = s1j - self.ps1.take(im1)
+        s2 = s2j - self.ps2.take(im1)
+        np.multiply(s1, s1, out=s1)
+        np.divide(s1, ww, out=s1)
+        np.subtract(s2, s1, out=s2)
+        val = np.add(self.dprev.take(im1), s2, out=s2)
+        best = val.min(axis=0)
+        first = np.where(val == best, im1, self.m + 1).min(axis=0)
+        return best, first + 1
+
+    def _scan_row(self, j: int, lo: int) -> tuple[float, int]:
+        """One row over the contiguous candidates ``i in [lo, j]`` (slices, no gathers)."""
+        sl = slice(lo - 1, j)
+        ww = self.pw[j] - self.pw[sl]
+        s1 = self.ps1[j] - self.ps1[sl]
+        s2 = self.ps2[j] - self.ps2[sl]
+        val = self.dprev[sl] + (s2 - s1 * s1 / ww)
+        pos = int(val.argmin())  # first occurrence: ties keep the smallest i
+        return float(val[pos]), lo + pos
+
+    # -- layers ------------------------------------------------------------------------------
+    def _layer_dc(self, j: np.ndarray, lower: np.ndarray,
+                  best: np.ndarray, arg: np.ndarray) -> None:
+        """Level-synchronous divide and conquer over the rows of one layer."""
+        rows = self.rows
+        rl = np.zeros(1, np.int64)
+        rh = np.full(1, rows - 1, np.int64)
+        ol = np.full(1, j[0], np.int64)
+        oh = np.full(1, j[-1], np.int64)
+        while rl.size:
+            mid = (rl + rh) >> 1
+            jm = j.take(mid)
+            lo = np.maximum(ol, lower.take(mid))
+            hi = np.minimum(oh, jm)
+            # Exact arithmetic gives lo <= hi; keep the scan well-formed if rounding does not.
+            np.minimum(lo, hi, out=lo)
+            b, a = self._scan(jm, lo, hi)
+            best[mid] = b
+            arg[mid] = a
+            left = mid > rl
+            right = mid < rh
+            rl, rh, ol, oh = (np.concatenate((rl[left], mid[right] + 1)),
+                              np.concatenate((mid[left] - 1, rh[right])),
+                              np.concatenate((ol[left], a[right])),
+                              np.concatenate((a[left], oh[right])))
+
+    def _layer_windows(self, j: np.ndarray, lower: np.ndarray,
+                       upper: np.ndarray, best: np.ndarray, arg: np.ndarray) -> None:
+        """Guessed windows, then widen failing rows until every row is certified."""
+        top = self.rows - 1
+        best[top], arg[top] = self._scan_row(int(j[top]), int(lower[top]))
+        if top == 0:
+            return
+        j0 = int(j[0])
+        sl = slice(j0, j0 + top)
+        span = upper[:top] - lower[:top]
+        # A dense pass wide enough for most rows; the rest of the wider windows goes second.
+        q = (top - 1) * _DENSE_QUANTILE // 100
+        width = int(np.partition(span, q)[q]) + 1
+        best[:top], arg[:top] = self._scan_dense(self.pw[sl], self.ps1[sl], self.ps2[sl],
+                                                 lower[:top], upper[:top], width)
+        wide = np.flatnonzero(span >= width)
+        if wide.size:
+            self._merge(j, wide, lower.take(wide) + width, upper.take(wide), best, arg)
+        jm = j[:-1]
+        up = upper[:-1]
+        while True:
+            # Row r is certified by row r + 1 when its window reaches a(r + 1) (fact 1).
+            bound = np.minimum(arg[1:], jm)
+            fail = np.flatnonzero(bound > up)
+            if not fail.size:
+                return
+            # Widen each failing row to its certified bound, and the rows just below it (they
+            # would most likely fail next) to the same bound, which is valid for them too.
+            rows = (fail[:, None] - self.cols[:_REPAIR_SPAN, 0]).ravel()
+            reach = np.repeat(bound.take(fail), _REPAIR_SPAN)
+            keep = rows >= 0
+            rows, reach = rows[keep], reach[keep]
+            order = np.lexsort((-reach, rows))
+            rows, reach = rows.take(order), reach.take(order)
+            first = np.ones(rows.size, dtype=bool)
+            first[1:] = rows[1:] != rows[:-1]
+            rows, reach = rows[first], np.minimum(reach[first], jm.take(rows[first]))
+            grow = reach > up.take(rows)
+            rows, reach = rows[grow], reach[grow]
+            self._merge(j, rows, up.take(rows) + 1, reach, best, arg)
+            up[rows] = reach
+
+    def _merge(self, j: np.ndarray, rows: np.ndarray, lo: np.ndarray,
+               hi: np.ndarray, best: np.ndarray, arg: np.ndarray) -> None:
+        """Scan candidates right of those already scanned; replace only on strict improvement."""
+        b, a = self._scan(j.take(rows), lo, hi)
+        better = b < best.take(rows)
+        upd = rows[better]
+        best[upd] = b[better]
+        arg[upd] = a[better]
+
+    def solve(self) -> tuple[np.ndarray, float]:
+        m, kk, rows = self.m, self.k, self.rows
+        pw, ps1, ps2 = self.pw, self.ps1, self.ps2
+        ar = self.arange[:rows]
+        args = np.empty((kk + 1, rows), np.int64)
+        # dprev holds D[k-1] at the rows of layer k-1 (the only ones layer k reads).
+        dprev = self.dprev
+        # Layer 1: one segment [1..j] represented by -1 (f = -1: (s2 - 2f*s1) + f*f*w).
+        j1 = slice(1, 1 + rows)
+        dprev[j1] = (ps2[j1] + 2.0 * ps1[j1]) + pw[j1]
+        args[1] = 1
+        up_idx = np.minimum(ar + 1, rows - 1)
+        ahead1 = np.minimum(ar + 2 + _GUESS_AHEAD, rows - 1)
+        ahead2 = np.minimum(ar + 3 + _GUESS_AHEAD, rows - 1)
+        dc_budget = _DC_THRESHOLD * rows * math.log2(rows + 1)
+        best = np.empty(rows)
+        for k in range(2, kk):
+            j = ar + k
+            if k == 2:
+                lower = np.full(rows, 2, np.int64)
+                use_dc = True
+            else:
+                # a_{k-1}(j) at offset r + 1 of layer k-1; the top row uses a_{k-1}(j - 1).
+                lower = np.maximum(args[k - 1].take(up_idx), k)
+                a1 = args[k - 1].take(ahead1)
+                upper = a1 + np.maximum(a1 - args[k - 2].take(ahead2), 0) + _GUESS_MARGIN
+                np.maximum(upper, lower, out=upper)
+                np.minimum(upper, j, out=upper)
+                upper[-1] = j[-1]
+                use_dc = float((upper - lower).sum()) + rows > dc_budget
+            arg = args[k]
+            if use_dc:
+                self._layer_dc(j, lower, best, arg)
+            else:
+                self._layer_windows(j, lower, upper, best, arg)
+            dprev[k:k + rows] = best
+        # Layer K: the single row j = M, last segment represented by +1, scanned in full.
+        i = np.arange(kk, m + 1)
+        ww = pw[m] - pw[i - 1]
+        s1 = ps1[m] - ps1[i - 1]
+        s2 = ps2[m] - ps2[i - 1]
+        val = dprev[i - 1] + ((s2 - 2.0 * s1) + ww)
+        pos = int(np.argmin(val))  # first occurrence: ties keep the smallest i
+        cost = float(val[pos])
+        start = int(i[pos])
+        codewords = np.empty(kk)
+        codewords[kk - 1] = 1.0
+        end = start - 1
+        for layer in range(kk - 1, 1, -1):
+            start = int(args[layer, end - layer])
+            codewords[layer - 1] = (ps1[end] - ps1[start - 1]) / (pw[end] - pw[start - 1])
+            end = start - 1
+        codewords[0] = -1.0
+        return codewords, cost

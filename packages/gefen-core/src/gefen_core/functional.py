@@ -1,0 +1,261 @@
+"""Functional Gefen step over lists of tensors (the ``torch.optim`` functional layer).
+
+:func:`gefen` steps already-initialised parameters: it advances the counters, computes the
+bias corrections (§1.10 step 2 / §1.11 step 2) and calls one fused op per tensor from
+``gefen_kernels``. It owns no math of its own: the per-tensor update (second-moment EMA,
+decoupled decay, momentum EMA on the dequantized codes, re-quantization, parameter write) is
+``gefen_kernels.ops.block_step`` / ``factored_step``. Period search and codebook learning
+belong to :class:`gefen_core.Gefen`.
+
+Three implementations share one keyword-only signature (STYLE.md item 8):
+
+* :func:`_single_tensor_gefen` — the reference ops, one tensor at a time;
+* :func:`_foreach_gefen` — the reference ops, with counters and bias corrections batched;
+* :func:`_fused_gefen` — the dispatching public ops (Triton on CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["gefen"]
+
+
+def gefen(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avg_codes: Sequence[Tensor],
+    exp_avg_scales: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor | None],
+    exp_avg_sq_rows: Sequence[Tensor | None],
+    exp_avg_sq_cols: Sequence[Tensor | None],
+    state_steps: Sequence[Tensor],
+    exp_avg_sq_steps: Sequence[Tensor],
+    *,
+    codebook: Tensor,
+    lr: float | Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool = False,
+    stochastic_round: bool = False,
+    seeds: Sequence[int] | None = None,
+    seed_tensors: Sequence[Tensor] | None = None,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    capturable: bool = False,
+    differentiable: bool = False,
+) -> None:
+    r"""One Gefen step for a list of initialised parameters (§1.10, §1.11).
+
+    Entry ``i`` is in block mode when ``exp_avg_sqs[i]`` is a tensor (then
+    ``exp_avg_sq_rows[i]`` and ``exp_avg_sq_cols[i]`` are ``None``) and in factored mode
+    otherwise (``params[i]`` is 2-D ``[R, C]``, rows fp32 ``[R]``, cols fp32 ``[C]``).
+
+    Args:
+        params: parameters, any layout (non-contiguous ones are updated through a contiguous
+            work copy that is copied back); fp32, bf16 or fp16 (fp64 on the reference paths).
+        grads: gradients, same shapes, any float dtype.
+        exp_avg_codes: uint8 ``[B, P]`` momentum codes (in/out).
+        exp_avg_scales: fp32 ``[B, 1]`` per-block momentum scales (in/out).
+        exp_avg_sqs: fp32 ``[B, 1]`` per-block second moments, or ``None`` (factored).
+        exp_avg_sq_rows, exp_avg_sq_cols: factored statistics, or ``None`` (block).
+        state_steps: fp32 0-dim momentum ages ``t``, advanced by one here.
+        exp_avg_sq_steps: fp32 0-dim second-moment ages, advanced by one here.
+        codebook: fp32 ``[256]`` on the parameters' device.
+        lr: learning rate, float or 1-element tensor.
+        beta1, beta2, eps, weight_decay, maximize: as in :class:`gefen_core.Gefen`.
+        stochastic_round: stochastic instead of nearest rounding of the codes (§1.9).
+        seeds: one already-salted signed 64-bit seed per tensor (O7); required with
+            ``stochastic_round`` unless ``capturable``.
+        seed_tensors: int64 ``[1]`` device seeds per tensor (capturable).
+        foreach, fused: implementation choice; ``fused`` wins, then ``foreach``, else the
+            for-loop. :class:`gefen_core.Gefen` resolves ``None`` per tensor before calling.
+        capturable: bias corrections and lr are read from device tensors (no host sync).
+        differentiable: must be ``False``.
+
+    Raises:
+        RuntimeError: ``differentiable=True``, or ``fused`` and ``foreach`` both true.
+        ValueError: list lengths differ, or ``stochastic_round`` without seeds.
+    """
+    if differentiable:
+        raise RuntimeError("gefen: differentiable=True is not supported (codes have no gradient)")
+    if fused and foreach:
+        raise RuntimeError("gefen: fused=True and foreach=True cannot both be set")
+    n = len(params)
+    lists = (grads, exp_avg_codes, exp_avg_scales, exp_avg_sqs, exp_avg_sq_rows,
+             exp_avg_sq_cols, state_steps, exp_avg_sq_steps)
+    if any(len(x) != n for x in lists):
+        raise ValueError("gefen: every tensor list must have one entry per parameter")
+    if stochastic_round and not capturable and (seeds is None or len(seeds) != n):
+        raise ValueError("gefen: stochastic_round=True needs one seed per parameter (seeds=...)")
+    if capturable and (seed_tensors is None or len(seed_tensors) != n):
+        raise ValueError("gefen: capturable=True needs one int64 seed tensor per parameter")
+    if fused:
+        impl = _fused_gefen
+    elif foreach:
+        impl = _foreach_gefen
+    else:
+        impl = _single_tensor_gefen
+    impl(
+        params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sqs, exp_avg_sq_rows,
+        exp_avg_sq_cols, state_steps, exp_avg_sq_steps,
+        codebook=codebook, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, maximize=maximize, stochastic_round=stochastic_round,
+        seeds=seeds, seed_tensors=seed_tensors, capturable=capturable,
+    )
+
+
+def _host_lr(lr: float | Tensor) -> float:
+    # The class hands a cached Python float for tensor lrs (one read per lr change, §1.17);
+    # direct functional callers with a tensor pay one read here.
+    return float(lr.item()) if isinstance(lr, Tensor) else float(lr)
+
+
+def _host_scalars(
+    t: float, tv: float, *, lr: float, beta1: float, beta2: float, weight_decay: float,
+    factored: bool,
+) -> dict[str, float]:
+    """Bias corrections and decay in fp64 on the host (§1.10 step 2, §1.11 step 2)."""
+    bc1_recip = 1.0 / (1.0 - beta1 ** t)
+    b2 = 1.0 - beta2 ** tv
+    out = {"lr": lr, "bc1_recip": bc1_recip, "decay": 1.0 - lr * weight_decay}
+    if factored:
+        out["bc2_recip"] = 1.0 / b2
+    else:
+        out["bc2_rsqrt"] = 1.0 / math.sqrt(b2)
+    return out
+
+
+def _device_hyper(
+    step: Tensor, sq_step: Tensor, *, lr: float | Tensor, beta1: float, beta2: float,
+    weight_decay: float, factored: bool,
+) -> Tensor:
+    """The capturable 4-float buffer ``[lr, bc2, bc1_recip, decay]`` computed on device (§1.16):
+    ``1 - beta**t`` in fp64 on device, reciprocal/root in fp64, rounded to fp32 on write."""
+    t = step.to(torch.float64)
+    tv = sq_step.to(torch.float64)
+    bc1_recip = 1.0 / (1.0 - torch.pow(beta1, t))
+    b2 = 1.0 - torch.pow(beta2, tv)
+    bc2 = 1.0 / b2 if factored else torch.rsqrt(b2)
+    if isinstance(lr, Tensor):
+        lr64 = lr.detach().reshape(()).to(device=step.device, dtype=torch.float64)
+    else:
+        lr64 = torch.full((), float(lr), dtype=torch.float64, device=step.device)
+    decay = 1.0 - lr64 * weight_decay
+    return torch.stack([lr64, bc2.reshape(()), bc1_recip.reshape(()), decay]).to(torch.float32)
+
+
+_Op = Callable[..., None]
+
+
+def _ops(kind: str) -> tuple[_Op, _Op]:
+    from gefen_kernels import ops
+
+    if kind == "reference":
+        return ops.block_step_reference, ops.factored_step_reference
+    return ops.block_step, ops.factored_step
+
+
+def _apply(
+    op_block: _Op, op_factored: _Op, i: int, param: Tensor, grad: Tensor, codes: Tensor,
+    scale: Tensor,
+    sq: Tensor | None, row: Tensor | None, col: Tensor | None, scalars: dict[str, float] | None,
+    hyper: Tensor | None, *, codebook: Tensor, beta1: float, beta2: float, eps: float,
+    maximize: bool, stochastic_round: bool, seed: int, seed_tensor: Tensor | None,
+) -> None:
+    # The ops need the logical row-major order in contiguous memory (§0.3, §1.13).
+    work = param if param.is_contiguous() else param.contiguous()
+    g = grad if grad.is_contiguous() else grad.contiguous()
+    common: dict[str, Any] = dict(
+        lr=0.0, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize,
+        stochastic_round=stochastic_round, seed=seed, hyper=hyper, seed_tensor=seed_tensor,
+    )
+    if scalars is not None:
+        common["lr"] = scalars["lr"]
+    if sq is not None:
+        op_block(
+            work, g, codes, scale, sq, codebook,
+            bc1_recip=1.0 if scalars is None else scalars["bc1_recip"],
+            bc2_rsqrt=1.0 if scalars is None else scalars["bc2_rsqrt"],
+            decay=1.0 if scalars is None else scalars["decay"],
+            **common,
+        )
+    else:
+        op_factored(
+            work, g, codes, scale, row, col, codebook,
+            bc1_recip=1.0 if scalars is None else scalars["bc1_recip"],
+            bc2_recip=1.0 if scalars is None else scalars["bc2_recip"],
+            decay=1.0 if scalars is None else scalars["decay"],
+            **common,
+        )
+    if work is not param:
+        param.copy_(work)
+
+
+def _run(
+    kind: str, params: Sequence[Tensor], grads: Sequence[Tensor],
+    exp_avg_codes: Sequence[Tensor], exp_avg_scales: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor | None], exp_avg_sq_rows: Sequence[Tensor | None],
+    exp_avg_sq_cols: Sequence[Tensor | None], state_steps: Sequence[Tensor],
+    exp_avg_sq_steps: Sequence[Tensor], *, codebook: Tensor, lr: float | Tensor, beta1: float,
+    beta2: float, eps: float, weight_decay: float, maximize: bool, stochastic_round: bool,
+    seeds: Sequence[int] | None, seed_tensors: Sequence[Tensor] | None, capturable: bool,
+    batched: bool,
+) -> None:
+    if not params:
+        return
+    op_block, op_factored = _ops(kind)
+    if batched:
+        torch._foreach_add_(list(state_steps), 1)
+        torch._foreach_add_(list(exp_avg_sq_steps), 1)
+    host_lr = 0.0 if capturable else _host_lr(lr)
+    for i, param in enumerate(params):
+        if not batched:
+            state_steps[i].add_(1)
+            exp_avg_sq_steps[i].add_(1)
+        factored = exp_avg_sqs[i] is None
+        if capturable:
+            hyper = _device_hyper(
+                state_steps[i], exp_avg_sq_steps[i], lr=lr, beta1=beta1, beta2=beta2,
+                weight_decay=weight_decay, factored=factored,
+            )
+            scalars = None
+        else:
+            hyper = None
+            scalars = _host_scalars(
+                float(state_steps[i].item()), float(exp_avg_sq_steps[i].item()),
+                lr=host_lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                factored=factored,
+            )
+        _apply(
+            op_block, op_factored, i, param, grads[i], exp_avg_codes[i], exp_avg_scales[i],
+            exp_avg_sqs[i], exp_avg_sq_rows[i], exp_avg_sq_cols[i], scalars, hyper,
+            codebook=codebook, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize,
+            stochastic_round=stochastic_round,
+            seed=0 if (seeds is None or capturable) else seeds[i],
+            seed_tensor=None if seed_tensors is None or not capturable else seed_tensors[i],
+        )
+
+
+def _single_tensor_gefen(*args: Any, **kwargs: Any) -> None:
+    """Reference ops, one tensor at a time (valid on every device and dtype, fp64 included)."""
+    _run("reference", *args, batched=False, **kwargs)
+
+
+def _foreach_gefen(*args: Any, **kwargs: Any) -> None:
+    """Reference ops with the counters advanced by one multi-tensor add per list.
+
+    Bit-identical to :func:`_single_tensor_gefen`: only the bookkeeping is batched."""
+    _run("reference", *args, batched=True, **kwargs)
+
+
+def _fused_gefen(*args: Any, **kwargs: Any) -> None:
+    """The dispatching public ops of ``gefen_kernels`` (Triton on CUDA)."""
+    _run("fused", *args, batched=True, **kwargs)

@@ -1,0 +1,203 @@
+"""Block-period search (ALGORITHM.md §1.7.2-§1.7.4, open choice O2, weakness §8 items 2-3).
+
+:func:`search_period` scores every candidate period of a gradient with one call of the
+``gefen_kernels`` op ``period_scores`` (one pass of chunked fp64 prefix sums over the tensor, no
+pass and no host sync per candidate) and reads the scores back with a single device-to-host
+copy; the decision rules run on the host. The op dispatches on the gradient's device at every
+call (CUDA: Triton when available, else the PyTorch reference); nothing about the backend is
+remembered between calls (§8 item 16).
+
+The force gates of §1.7.1 (numel 0 or 1, ``force_1d_period_one``, ``force_2d_period_one``,
+``period_one_substrings``) belong to the optimizer, which calls :func:`search_period` after them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from gefen_kernels.ops.period_scores import VARIANTS, period_scores
+
+__all__ = [
+    "FALLBACK_CAP",
+    "VARIANTS",
+    "memory_safe_fallback",
+    "period_candidates",
+    "search_period",
+]
+
+# Appendix A constants.
+MIN_BLOCKS_LOG_CONTRAST = 4      # Variant L keeps candidates with N / p >= 4
+MIN_PEAK_PERIOD = 8              # Variant L peaks need p > 8
+LARGE_PERIOD = 1024              # Variant L rounds P > 1024 down to a divisor > 1024
+FIRST_INCREMENT = 1e-12          # Variant V: increment of the first candidate (p = 1)
+MIN_PERIOD_VARIANCE = 8          # Variant V: P < 8 -> 1
+FALLBACK_MIN_NUMEL = 8           # fallback: N < 8 -> 1
+FALLBACK_MIN_CANDIDATE = 8       # fallback candidates must be >= 8
+FALLBACK_CAP = 2048              # fallback: largest divisor of N that is <= 2048
+
+
+def _divisors(n: int) -> list[int]:
+    """All positive divisors of ``n >= 1``, ascending (factorisation by trial division)."""
+    factors: list[tuple[int, int]] = []
+    rest, q = n, 2
+    while q * q <= rest:
+        if rest % q == 0:
+            e = 0
+            while rest % q == 0:
+                rest //= q
+                e += 1
+            factors.append((q, e))
+        q += 1 if q == 2 else 2
+    if rest > 1:
+        factors.append((rest, 1))
+    divs = [1]
+    for prime, e in factors:
+        divs = [d * prime**i for d in divs for i in range(e + 1)]
+    return sorted(divs)
+
+
+def _check_numel(numel: int) -> None:
+    if not isinstance(numel, int) or isinstance(numel, bool):
+        raise TypeError(f"numel must be an int, got {type(numel).__name__}")
+    if numel < 1:
+        raise ValueError(f"numel must be >= 1, got {numel} (empty tensors have no period)")
+
+
+def period_candidates(numel: int) -> list[int]:
+    """The candidate set ``D(N)`` of §1.7.1: every divisor ``p < N`` of ``N``, ascending.
+
+    ``1`` is included (for ``N > 1``); ``N`` itself never is.
+
+    Raises:
+        TypeError, ValueError: ``numel`` is not an int ``>= 1``.
+    """
+    _check_numel(numel)
+    return _divisors(numel)[:-1]
+
+
+def memory_safe_fallback(numel: int, shape: tuple[int, ...]) -> int:
+    """The period used when the search returns 1 (§1.7.4).
+
+    ``N < 8`` gives 1. Otherwise the largest of: ``shape[-1]`` (tensors of 2 or more dims, when
+    ``shape[-1] >= 8`` and it divides ``N``) and the largest divisor of ``N`` that is ``<= 2048``
+    (``N`` itself counts) when it is ``>= 8``; 1 if neither exists. ``shape`` is the parameter's
+    (global) shape; ``numel`` the local element count, which ``shape`` need not multiply to.
+
+    Examples: a 1-D norm of 1024 -> 1024; ``[4096, 4096]`` -> 4096; ``[151936, 1024]`` -> 2048.
+
+    Raises:
+        TypeError, ValueError: ``numel`` not an int ``>= 1``, or ``shape`` not a tuple of ints.
+    """
+    _check_numel(numel)
+    shape = _check_shape(shape)
+    if numel < FALLBACK_MIN_NUMEL:
+        return 1
+    options = []
+    if len(shape) >= 2 and shape[-1] >= FALLBACK_MIN_CANDIDATE and numel % shape[-1] == 0:
+        options.append(shape[-1])
+    capped = max(d for d in _divisors(numel) if d <= FALLBACK_CAP)
+    if capped >= FALLBACK_MIN_CANDIDATE:
+        options.append(capped)
+    return max(options, default=1)
+
+
+def _check_shape(shape: object) -> tuple[int, ...]:
+    if isinstance(shape, torch.Size):
+        shape = tuple(shape)
+    if not isinstance(shape, (tuple, list)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise TypeError(f"shape must be a tuple of non-negative ints, got {shape!r}")
+    return tuple(shape)
+
+
+def _round_large_period(period: int) -> int:
+    """§1.7.2 rule 4: ``P > 1024`` becomes the smallest divisor of ``P`` exceeding 1024."""
+    if period <= LARGE_PERIOD:
+        return period
+    return min(d for d in _divisors(period) if d > LARGE_PERIOD)
+
+
+def _log_contrast_choice(cands: list[int], scores: list[float]) -> int:
+    """§1.7.2 rules 2-3 on candidates with at least 4 blocks (ascending) and their S(p)."""
+    best_p, best_s = 1, -math.inf
+    for j in range(1, len(cands) - 1):
+        p, s = cands[j], scores[j]
+        if p > MIN_PEAK_PERIOD and s > scores[j - 1] and s > scores[j + 1]:
+            if s >= best_s:  # ties -> the larger p (cands ascend)
+                best_p, best_s = p, s
+    return best_p
+
+
+def _variance_choice(cands: list[int], scores: list[float]) -> int:
+    """§1.7.3: smallest increment of E(p) (first one 1e-12, ties -> smaller p); P < 8 -> 1."""
+    best_p, best_inc = cands[0], FIRST_INCREMENT
+    for j in range(1, len(cands)):
+        inc = scores[j] - scores[j - 1]
+        if inc < best_inc:
+            best_p, best_inc = cands[j], inc
+    return 1 if best_p < MIN_PERIOD_VARIANCE else best_p
+
+
+def search_period(grad: Tensor, shape: tuple[int, ...], *, variant: str = "log_contrast",
+                  fallback: bool = True) -> int:
+    """Block period ``P`` of a parameter from its gradient (§1.7.2 / §1.7.3, then §1.7.4).
+
+    Args:
+        grad: the (local) gradient, any real float dtype and device, ``N >= 1`` elements, taken
+            in logical row-major order (a non-contiguous view is copied once by
+            ``.contiguous()``).
+        shape: the parameter's (global) shape, used by the fallback's row-length candidate.
+        variant: ``"log_contrast"`` (Variant L, the paper's search: adjacent block log-mean
+            contrast, peaks with at least 4 blocks and ``p > 8``, largest peak, ``P > 1024``
+            rounded down to its smallest divisor above 1024) or ``"variance"`` (Variant V: the
+            smallest increment of the within-block standard deviation of ``g^2``; ``P < 8`` is 1).
+        fallback: apply the memory-safe fallback (:func:`memory_safe_fallback`) when the search
+            returns 1.
+
+    Returns:
+        ``P``, a divisor of ``N`` (``1 <= P <= N``; ``P = N`` only through the fallback).
+
+    Raises:
+        TypeError: ``grad`` is not a real float tensor, or ``shape`` is malformed.
+        ValueError: ``N = 0``, an unknown ``variant``, or a gradient with NaN/Inf values (or,
+            for Variant L, values whose square overflows fp32). The optimizer decides what a
+            non-finite first-step gradient means (open choice O9); this function only refuses it.
+    """
+    if not isinstance(grad, Tensor):
+        raise TypeError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
+    if not grad.is_floating_point() or grad.is_complex():
+        raise TypeError(f"grad must be a real floating-point tensor, got {grad.dtype}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    shape = _check_shape(shape)
+    numel = grad.numel()
+    _check_numel(numel)
+    if numel == 1:
+        return 1
+    divisors = period_candidates(numel)
+    if variant == "log_contrast":
+        cands = [p for p in divisors if numel // p >= MIN_BLOCKS_LOG_CONTRAST]
+        # p = 1 is always scored: its score covers every element, so a non-finite gradient
+        # shows up even when no candidate has 4 blocks.
+        scored = cands if cands and cands[0] == 1 else [1] + cands
+    else:
+        cands = scored = divisors
+    scores_dev = period_scores(grad.detach().contiguous(),
+                               torch.tensor(scored, dtype=torch.int64), variant)
+    scores = scores_dev.tolist()  # the one device -> host sync
+    if not all(math.isfinite(s) for s in scores):
+        raise ValueError(
+            f"grad has NaN or Inf values (the {variant} period scores are not finite"
+            + (", or a value's square overflows fp32" if variant == "log_contrast" else "")
+            + "); the block period can only be learned from a finite gradient")
+    if variant == "log_contrast":
+        scores = scores[len(scored) - len(cands):]
+        period = _round_large_period(_log_contrast_choice(cands, scores))
+    else:
+        period = _variance_choice(cands, scores)
+    if period == 1 and fallback:
+        period = memory_safe_fallback(numel, shape)
+    return period

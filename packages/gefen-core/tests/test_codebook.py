@@ -1,0 +1,384 @@
+"""The exact optimal quantizer and the codebook (ALGORITHM.md §1.8.2-§1.8.3, O4, O5).
+
+The reference is the textbook recurrence of §1.8.3 written here from the spec: fp64 prefix sums
+accumulated left to right, ``D[k][j] = min_{i=k..j} D[k-1][i-1] + cost_k(i, j)`` scanning ``i``
+upward and replacing only on strict improvement, backtracking from ``(M, K)``. The solver must
+return the same codewords (so the same tie choices) and the same cost, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from gefen_core import codebook as cb
+from gefen_core.codebook import (
+    HISTOGRAM_BINS,
+    NUM_CODEWORDS,
+    histogram_bin_centers,
+    optimal_codebook,
+    optimal_quantizer,
+)
+
+
+# ------------------------------------------------------------------------------------------
+# The textbook recurrence, written from §1.8.3
+# ------------------------------------------------------------------------------------------
+def _prefix(x: np.ndarray, w: np.ndarray) -> tuple[list[float], list[float], list[float]]:
+    pw, ps1, ps2 = [0.0], [0.0], [0.0]
+    for xi, wi in zip(x.tolist(), w.tolist()):
+        wx = wi * xi
+        pw.append(pw[-1] + wi)
+        ps1.append(ps1[-1] + wx)
+        ps2.append(ps2[-1] + wx * xi)
+    return pw, ps1, ps2
+
+
+def _seg_cost(pw, ps1, ps2, i: int, j: int, centre: float | None) -> float:
+    w = pw[j] - pw[i - 1]
+    s1 = ps1[j] - ps1[i - 1]
+    s2 = ps2[j] - ps2[i - 1]
+    if centre is None:
+        return s2 - s1 * s1 / w
+    f = centre
+    return s2 - 2.0 * f * s1 + f * f * w
+
+
+def textbook_loops(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float, int]:
+    """Literal O(K*M^2) recurrence in plain Python. Returns codewords, cost, ties on the path."""
+    m = len(x)
+    pw, ps1, ps2 = _prefix(x, w)
+    inf = float("inf")
+    d = [[inf] * (m + 1) for _ in range(k + 1)]
+    arg = [[0] * (m + 1) for _ in range(k + 1)]
+    tie = [[False] * (m + 1) for _ in range(k + 1)]
+    d[0][0] = 0.0
+    for layer in range(1, k + 1):
+        centre = -1.0 if layer == 1 else (1.0 if layer == k else None)
+        for j in range(layer, m + 1):
+            best, best_i, tied = inf, 0, False
+            for i in range(layer, j + 1):
+                v = d[layer - 1][i - 1] + _seg_cost(pw, ps1, ps2, i, j, centre)
+                if v < best:
+                    best, best_i, tied = v, i, False
+                elif v == best:
+                    tied = True
+            d[layer][j], arg[layer][j], tie[layer][j] = best, best_i, tied
+    return _backtrack(arg, pw, ps1, m, k), d[k][m], _count_ties(arg, tie, m, k)
+
+
+def textbook_vectorised(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float]:
+    """The same recurrence, vectorised over i per (layer, j) with the same fp64 expressions."""
+    m = len(x)
+    pw, ps1, ps2 = (np.array(a) for a in _prefix(x, w))
+    d = np.full((k + 1, m + 1), np.inf)
+    arg = np.zeros((k + 1, m + 1), dtype=np.int64)
+    d[0, 0] = 0.0
+    for layer in range(1, k + 1):
+        for j in range(layer, m + 1):
+            i = np.arange(layer, j + 1)
+            ww = pw[j] - pw[i - 1]
+            s1 = ps1[j] - ps1[i - 1]
+            s2 = ps2[j] - ps2[i - 1]
+            if layer == 1 or layer == k:
+                f = -1.0 if layer == 1 else 1.0
+                cost = s2 - 2.0 * f * s1 + f * f * ww
+            else:
+                cost = s2 - s1 * s1 / ww
+            v = d[layer - 1, i - 1] + cost
+            p = int(np.argmin(v))  # first occurrence = upward scan with strict improvement
+            d[layer, j], arg[layer, j] = v[p], i[p]
+    return _backtrack(arg, pw, ps1, m, k), float(d[k, m])
+
+
+def _backtrack(arg, pw, ps1, m: int, k: int) -> np.ndarray:
+    out = np.empty(k)
+    j = m
+    for layer in range(k, 0, -1):
+        i = int(arg[layer][j])
+        if layer == 1:
+            out[0] = -1.0
+        elif layer == k:
+            out[k - 1] = 1.0
+        else:
+            out[layer - 1] = (ps1[j] - ps1[i - 1]) / (pw[j] - pw[i - 1])
+        j = i - 1
+    return out
+
+
+def _count_ties(arg, tie, m: int, k: int) -> int:
+    n, j = 0, m
+    for layer in range(k, 0, -1):
+        n += bool(tie[layer][j])
+        j = int(arg[layer][j]) - 1
+    return n
+
+
+# Solver configurations: default routing; divide and conquer for every layer; certified windows
+# for every layer but the second; windows whose guessed upper bounds are too small, so most
+# rows fail the certification and go through the repair loop.
+_MODES = {
+    "default": {},
+    "dc": {"_DC_THRESHOLD": 0.0},
+    "windows": {"_DC_THRESHOLD": float("inf")},
+    "windows_repairs": {"_DC_THRESHOLD": float("inf"), "_GUESS_MARGIN": -3},
+}
+
+
+@pytest.fixture(params=list(_MODES))
+def mode(request, monkeypatch):
+    for name, value in _MODES[request.param].items():
+        monkeypatch.setattr(cb, name, value)
+    return request.param
+
+
+def _solve(x, w, k):
+    c, cost = optimal_quantizer(x, w, k)
+    assert c.dtype == torch.float64 and c.shape == (k,)
+    return c.numpy(), cost
+
+
+# ------------------------------------------------------------------------------------------
+# Exactness against the textbook recurrence
+# ------------------------------------------------------------------------------------------
+def _random_instance(rng: np.random.Generator, m: int, grid: int, wmax: int):
+    """m distinct points of a dyadic grid in [-1, 1] and integer weights in [1, wmax].
+
+    Coarse grids and small weights make exact (bit-equal) ties between candidates common.
+    """
+    pts = np.sort(rng.choice(np.arange(-grid, grid + 1), size=m, replace=False)) / grid
+    wts = rng.integers(1, wmax + 1, size=m).astype(np.float64)
+    return pts.astype(np.float64), wts
+
+
+def test_vectorised_textbook_matches_literal_loops():
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        m = int(rng.integers(2, 12))
+        k = int(rng.integers(2, m + 1))
+        x, w = _random_instance(rng, m, 8, 3)
+        c1, cost1, _ = textbook_loops(x, w, k)
+        c2, cost2 = textbook_vectorised(x, w, k)
+        assert np.array_equal(c1, c2) and cost1 == cost2
+
+
+def test_small_random_instances_equal_textbook_including_ties(mode):
+    rng = np.random.default_rng(1)
+    ties = 0
+    for trial in range(300):
+        m = int(rng.integers(2, 15))
+        k = int(rng.integers(2, m + 1))
+        grid = int(rng.choice([8, 8, 8, 16, 2048]))
+        x, w = _random_instance(rng, m, grid, int(rng.choice([1, 1, 2, 5])))
+        ref_c, ref_cost, n_ties = textbook_loops(x, w, k)
+        ties += n_ties
+        c, cost = _solve(x, w, k)
+        assert np.array_equal(c, ref_c), (trial, x, w, k, c, ref_c)
+        assert cost == ref_cost
+    # The instances must actually exercise the tie rule on the optimal path.
+    assert ties >= 40
+
+
+def test_equal_cost_alternatives_keep_the_smallest_start():
+    # Unit weights on an evenly spaced dyadic grid: many partitions cost exactly the same.
+    x = np.linspace(-1.0, 1.0, 17)
+    w = np.ones(17)
+    for k in range(2, 17):
+        ref_c, ref_cost, _ = textbook_loops(x, w, k)
+        c, cost = _solve(x, w, k)
+        assert np.array_equal(c, ref_c) and cost == ref_cost
+
+
+@functools.cache
+def _larger_instance(seed: int, m: int, k: int):
+    rng = np.random.default_rng(seed)
+    x, w = _random_instance(rng, m, HISTOGRAM_BINS // 2, 1)
+    # Gradient-like weights: a peak at 0, thin tails, heavy end bins.
+    w = np.floor(1e4 * np.exp(-0.5 * (x / 0.15) ** 2) + rng.integers(1, 30, size=m))
+    w[0] += 500
+    w[-1] += 500
+    return x, w, textbook_vectorised(x, w, k)
+
+
+@pytest.mark.parametrize("seed,m,k", [(2, 220, 24), (3, 300, 40), (4, 400, 16), (5, 500, 60)])
+def test_larger_instances_equal_textbook(mode, seed, m, k):
+    x, w, (ref_c, ref_cost) = _larger_instance(seed, m, k)
+    c, cost = _solve(x, w, k)
+    assert np.array_equal(c, ref_c)
+    assert cost == ref_cost
+
+
+@functools.cache
+def _histogram_instance():
+    rng = np.random.default_rng(6)
+    centers = histogram_bin_centers().numpy().astype(np.float64)
+    bins = np.sort(rng.choice(HISTOGRAM_BINS, size=700, replace=False))
+    x = centers[bins]
+    w = rng.geometric(0.05, size=700).astype(np.float64)
+    return x, w, textbook_vectorised(x, w, 48)
+
+
+def test_histogram_sized_instance_equals_textbook(mode):
+    # Bin centres and integer counts, as optimal_codebook feeds the solver.
+    x, w, (ref_c, ref_cost) = _histogram_instance()
+    c, cost = _solve(x, w, 48)
+    assert np.array_equal(c, ref_c) and cost == ref_cost
+
+
+# ------------------------------------------------------------------------------------------
+# optimal_codebook
+# ------------------------------------------------------------------------------------------
+def test_bin_centers_are_exact_edge_means():
+    c = histogram_bin_centers()
+    assert c.dtype == torch.float32 and c.shape == (HISTOGRAM_BINS,)
+    b = torch.arange(HISTOGRAM_BINS, dtype=torch.float64)
+    assert torch.equal(c.double(), (2 * b - 4095) / 4096)
+
+
+def _check_codebook(c: torch.Tensor, strict: bool = True) -> None:
+    assert c.dtype == torch.float32 and c.shape == (NUM_CODEWORDS,)
+    assert c[0].item() == -1.0 and c[-1].item() == 1.0
+    d = torch.diff(c)
+    assert bool((d > 0).all()) if strict else bool((d >= 0).all())
+
+
+def test_realistic_histogram_codebook_properties_and_cost():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4096, 512, generator=g) * torch.exp(torch.randn(4096, 1, generator=g))
+    z = x / x.abs().amax(dim=1, keepdim=True)
+    idx = torch.floor((z + 1) * 2048).clamp_(0, 4095).long()
+    counts = torch.bincount(idx.view(-1), minlength=HISTOGRAM_BINS)
+    c = optimal_codebook(counts)
+    _check_codebook(c)
+    # Endpoint bins are active (every block's extreme normalises to +-1).
+    assert counts[0] > 0 and counts[-1] > 0
+    # The codebook is the fp32 rounding of the exact quantizer's fp64 codewords.
+    active = counts > 0
+    c64, cost = optimal_quantizer(histogram_bin_centers()[active].double(),
+                                  counts[active].double())
+    assert torch.equal(c, c64.float())
+    # Its cost is the weighted error of assigning every bin to its segment's codeword, which
+    # is no larger than the error of nearest-codeword assignment with a uniform codebook.
+    uniform = torch.linspace(-1, 1, NUM_CODEWORDS, dtype=torch.float64)
+    pts = histogram_bin_centers()[active].double()
+    wts = counts[active].double()
+    err_uniform = float((wts * (pts[:, None] - uniform[None]).pow(2).min(dim=1).values).sum())
+    assert cost <= err_uniform
+
+
+def test_two_separated_clusters_are_recovered_exactly():
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    left = torch.arange(1000, 1127)
+    right = torch.arange(3000, 3127)
+    counts[left] = 50
+    counts[right] = 70
+    c = optimal_codebook(counts)
+    _check_codebook(c)
+    centers = histogram_bin_centers()
+    expected = torch.cat([torch.tensor([-1.0]), centers[left], centers[right],
+                          torch.tensor([1.0])])
+    assert torch.equal(c, expected)
+
+
+def test_exactly_k_active_bins_uses_forced_endpoints():
+    # M = K: segment 1 = bin 0 (coded -1), segment K = bin 4095 (coded +1), the rest singletons.
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    inner = torch.arange(100, 100 + 254 * 7, 7)
+    counts[0], counts[-1] = 9, 11
+    counts[inner] = 3
+    c = optimal_codebook(counts)
+    _check_codebook(c)
+    centers = histogram_bin_centers()
+    assert torch.equal(c[1:-1], centers[inner])
+    _, cost = optimal_quantizer(centers[counts > 0].double(), counts[counts > 0].double())
+    assert cost == 9 * (1 / 4096) ** 2 + 11 * (1 / 4096) ** 2
+
+
+def test_fewer_active_bins_than_codewords_keeps_every_centre():
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    bins = torch.tensor([0, 17, 900, 2048, 2049, 3000, 4095])
+    counts[bins] = torch.tensor([5, 1, 2, 100, 99, 3, 4])
+    c = optimal_codebook(counts)
+    _check_codebook(c, strict=False)
+    centers = histogram_bin_centers()[bins]
+    values = set(c.tolist())
+    assert values == set(centers.tolist()) | {-1.0, 1.0}
+    # Padding repeats the largest centre below +1; exactly K entries.
+    n_pad = NUM_CODEWORDS - len(bins) - 2
+    assert int((c == centers.max()).sum()) == n_pad + 1
+
+
+def test_one_active_bin_too_many_takes_the_cheapest_reduction():
+    # M = K - 1 points, neither endpoint among them: K + 1 values do not fit.
+    centers = histogram_bin_centers().double()
+    bins = torch.arange(1, 1 + 255 * 16, 16)
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    counts[bins] = 1000
+    counts[bins[100]] = 1  # merging bins[100] with a neighbour is the cheapest reduction
+    x, w = centers[bins], counts[bins].double()
+    c, cost = optimal_quantizer(x, w)
+    # Candidates written from the math: first point to -1, last point to +1, or merge a pair.
+    first = float(w[0] * (x[0] + 1) ** 2)
+    last = float(w[-1] * (x[-1] - 1) ** 2)
+    pair = w[:-1] * w[1:] / (w[:-1] + w[1:]) * (x[1:] - x[:-1]) ** 2
+    assert cost == min(first, last, float(pair.min()))
+    p = int(torch.argmin(pair))
+    assert p == 99  # bins[99] and bins[100]: the lighter of the two pairs with bins[100]
+    mean = (w[p] * x[p] + w[p + 1] * x[p + 1]) / (w[p] + w[p + 1])
+    expected = torch.cat([torch.tensor([-1.0], dtype=torch.float64), x[:p], mean[None],
+                          x[p + 2:], torch.tensor([1.0], dtype=torch.float64)])
+    assert torch.equal(c, expected)
+    _check_codebook(optimal_codebook(counts))
+
+
+def test_integer_counts_beyond_fp32_precision_are_kept():
+    # O4: counts above 2**24 differ by 1 yet must not be rounded together.
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    counts[0::8] = 2**25
+    counts[4::8] = 2**25 + 1
+    c = optimal_codebook(counts)
+    _check_codebook(c)
+    active = counts > 0
+    c64, _ = optimal_quantizer(histogram_bin_centers()[active].double(),
+                               counts[active].to(torch.float64))
+    assert torch.equal(c, c64.float())
+
+
+# ------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------
+def test_codebook_input_errors():
+    with pytest.raises(TypeError, match="integer"):
+        optimal_codebook(torch.ones(HISTOGRAM_BINS))
+    with pytest.raises(ValueError, match="shape"):
+        optimal_codebook(torch.ones(10, dtype=torch.int64))
+    bad = torch.ones(HISTOGRAM_BINS, dtype=torch.int64)
+    bad[3] = -1
+    with pytest.raises(ValueError, match="non-negative"):
+        optimal_codebook(bad)
+    with pytest.raises(ValueError, match="all zero"):
+        optimal_codebook(torch.zeros(HISTOGRAM_BINS, dtype=torch.int64))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        optimal_codebook(np.ones(HISTOGRAM_BINS, dtype=np.int64))
+
+
+def test_quantizer_input_errors():
+    x = np.array([-0.5, 0.0, 0.5])
+    w = np.ones(3)
+    with pytest.raises(ValueError, match="k must be >= 2"):
+        optimal_quantizer(x, w, 1)
+    with pytest.raises(TypeError, match="k must be an int"):
+        optimal_quantizer(x, w, 2.0)
+    with pytest.raises(ValueError, match="same length"):
+        optimal_quantizer(x, w[:2], 2)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        optimal_quantizer(x[::-1].copy(), w, 2)
+    with pytest.raises(ValueError, match=r"\[-1, 1\]"):
+        optimal_quantizer(x * 3, w, 2)
+    with pytest.raises(ValueError, match="> 0"):
+        optimal_quantizer(x, np.array([1.0, 0.0, 1.0]), 2)
+    with pytest.raises(ValueError, match="empty"):
+        optimal_quantizer(np.array([]), np.array([]), 2)

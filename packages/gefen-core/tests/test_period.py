@@ -1,0 +1,236 @@
+"""Block-period search (ALGORITHM.md §1.7.2-§1.7.4, Appendix B).
+
+``naive_period`` below is an independent float64 implementation written from the spec: for
+every candidate it reshapes the gradient into ``[B, p]`` and computes the score directly, then
+applies the decision rules. ``search_period`` (one pass of prefix sums through the
+``period_scores`` op) must make the same decisions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gefen_core import period as period_mod
+from gefen_core.period import (
+    memory_safe_fallback,
+    period_candidates,
+    search_period,
+)
+
+
+# ------------------------------------------------------------------------------------------
+# Independent implementation from §1.7
+# ------------------------------------------------------------------------------------------
+def brute_divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def naive_scores(g: np.ndarray, cands: list[int], variant: str) -> list[float]:
+    n = g.size
+    x = np.log((g * g).astype(np.float64) + 1e-12)  # square in fp32, log in fp64
+    y = g.astype(np.float64) ** 2
+    out = []
+    for p in cands:
+        b = n // p
+        if variant == "log_contrast":
+            mu = x.reshape(b, p).mean(axis=1)
+            out.append(float(np.abs(np.diff(mu)).mean()))
+        else:
+            out.append(0.0 if p == 1 else math.sqrt(y.reshape(b, p).var(axis=1).mean()))
+    return out
+
+
+def naive_fallback(n: int, shape: tuple[int, ...]) -> int:
+    if n < 8:
+        return 1
+    opts = []
+    if len(shape) >= 2 and shape[-1] >= 8 and n % shape[-1] == 0:
+        opts.append(shape[-1])
+    c = max(d for d in brute_divisors(n) if d <= 2048)
+    if c >= 8:
+        opts.append(c)
+    return max(opts) if opts else 1
+
+
+def naive_period(g: torch.Tensor, shape: tuple[int, ...], variant: str,
+                 fallback: bool = True) -> int:
+    a = g.detach().reshape(-1).float().numpy()
+    n = a.size
+    cands = [d for d in brute_divisors(n) if d < n]
+    if variant == "log_contrast":
+        cands = [p for p in cands if n // p >= 4]
+        s = naive_scores(a, cands, variant)
+        peaks = [(s[j], cands[j]) for j in range(1, len(cands) - 1)
+                 if cands[j] > 8 and s[j] > s[j - 1] and s[j] > s[j + 1]]
+        result = max(peaks)[1] if peaks else 1  # largest score, ties -> larger p
+        if result > 1024:
+            result = min(d for d in brute_divisors(result) if d > 1024)
+    else:
+        e = naive_scores(a, cands, variant)
+        inc = [1e-12] + [e[j] - e[j - 1] for j in range(1, len(e))]
+        result = cands[int(np.argmin(inc))]  # first minimum: ties -> smaller p
+        if result < 8:
+            result = 1
+    if result == 1 and fallback:
+        result = naive_fallback(n, shape)
+    return result
+
+
+def make_grad(shape: tuple[int, ...], seed: int, kind: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(*shape, generator=gen)
+    if kind == "row_scaled" and len(shape) >= 2:
+        g = g * torch.exp(1.5 * torch.randn(shape[0], *([1] * (len(shape) - 1)), generator=gen))
+    elif kind == "col_scaled" and len(shape) >= 2:
+        g = g * torch.exp(torch.randn(shape[-1], generator=gen))
+    elif kind == "heavy":
+        g = g / torch.rand(*shape, generator=gen).clamp_min(1e-3)
+    return g
+
+
+# ------------------------------------------------------------------------------------------
+# Appendix B
+# ------------------------------------------------------------------------------------------
+APPENDIX_B = [
+    # (shape, kind, variant, decision before the fallback, final)
+    ((64, 512), "row_scaled", "log_contrast", 512, 512),
+    ((64, 512), "row_scaled", "variance", 1, 2048),
+    ((16, 4096), "row_scaled", "log_contrast", 2048, 2048),  # 4096 rounded by the >1024 rule
+    ((64, 512), "iid", "log_contrast", 1, 2048),
+    ((64, 512), "iid", "variance", 1, 2048),
+    ((128, 2048), "row_scaled", "log_contrast", 2048, 2048),  # no divisor in (1024, 2048)
+]
+
+
+@pytest.mark.parametrize("shape,kind,variant,raw,final", APPENDIX_B)
+def test_appendix_b(shape, kind, variant, raw, final) -> None:
+    g = make_grad(shape, seed=0, kind=kind)
+    # The independent implementation reproduces the documented outcome ...
+    assert naive_period(g, shape, variant, fallback=False) == raw
+    assert (raw if raw > 1 else naive_fallback(g.numel(), shape)) == final
+    # ... and so does the one-pass search, on the tensor and on a non-contiguous view of it.
+    assert search_period(g, shape, variant=variant, fallback=False) == raw
+    assert search_period(g, shape, variant=variant) == final
+    assert search_period(g.t().contiguous().t(), shape, variant=variant) == final
+
+
+def test_large_period_rounding() -> None:
+    assert period_mod._round_large_period(4096) == 2048
+    assert period_mod._round_large_period(3072) == 1536
+    assert period_mod._round_large_period(2048) == 2048
+    assert period_mod._round_large_period(1024) == 1024
+    assert period_mod._round_large_period(1031 * 2) == 1031  # prime factor just above 1024
+    # Through the search: rows of 3072 are found, then rounded to 1536.
+    g = make_grad((16, 3072), seed=0, kind="row_scaled")
+    assert naive_period(g, (16, 3072), "log_contrast") == 1536
+    assert search_period(g, (16, 3072)) == 1536
+
+
+# ------------------------------------------------------------------------------------------
+# Both variants against the independent implementation on many tensors
+# ------------------------------------------------------------------------------------------
+RANDOM_SHAPES = [(2,), (3,), (5,), (7,), (1, 7), (13,), (97,), (1009,), (4099,), (8, 8),
+                 (12, 30), (48, 64), (24, 96), (96, 24), (3, 5, 7), (2, 3, 4, 40), (256, 64),
+                 (2, 2, 2, 2, 2, 8), (17, 51), (32, 1024)]
+
+
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+@pytest.mark.parametrize("kind", ["iid", "row_scaled", "col_scaled", "heavy"])
+@pytest.mark.parametrize("shape", RANDOM_SHAPES)
+def test_matches_naive(variant: str, kind: str, shape: tuple[int, ...]) -> None:
+    g = make_grad(shape, seed=len(shape) * 1000 + sum(shape), kind=kind)
+    assert search_period(g, shape, variant=variant) == naive_period(g, shape, variant)
+    assert (search_period(g, shape, variant=variant, fallback=False)
+            == naive_period(g, shape, variant, fallback=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_low_precision_and_fp64_gradients(dtype: torch.dtype) -> None:
+    g = make_grad((64, 512), seed=0, kind="row_scaled").to(dtype)
+    for variant in ("log_contrast", "variance"):
+        assert search_period(g, (64, 512), variant=variant) == naive_period(g, (64, 512),
+                                                                             variant)
+
+
+def test_zero_rows_give_a_variance_period() -> None:
+    # Unused embedding rows: blocks that straddle a zero row and a used row (p = 64) have a
+    # large within-block variance, row-aligned blocks (p = 96) a small one: E drops at 96.
+    g = torch.randn(32, 96, generator=torch.Generator().manual_seed(0))
+    g[1::2] = 0.0
+    assert naive_period(g, (32, 96), "variance", fallback=False) == 96
+    assert search_period(g, (32, 96), variant="variance", fallback=False) == 96
+
+
+def test_one_period_scores_call_and_one_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = period_mod.period_scores
+
+    def counting(grad, candidates, variant):
+        out = real(grad, candidates, variant)
+        calls.append((candidates.tolist(), variant))
+        return out
+
+    monkeypatch.setattr(period_mod, "period_scores", counting)
+    g = make_grad((48, 64), seed=1, kind="row_scaled")
+    search_period(g, (48, 64), variant="log_contrast")
+    search_period(g, (48, 64), variant="variance")
+    assert len(calls) == 2
+    # Every candidate with >= 4 blocks is scored in the one call (and p = 1).
+    assert calls[0][0] == [p for p in brute_divisors(3072) if 3072 // p >= 4]
+    assert calls[1][0] == [p for p in brute_divisors(3072) if p < 3072]
+
+
+# ------------------------------------------------------------------------------------------
+# Fallback, candidates, errors
+# ------------------------------------------------------------------------------------------
+def test_fallback_examples() -> None:
+    assert memory_safe_fallback(1024, (1024,)) == 1024
+    assert memory_safe_fallback(4096 * 4096, (4096, 4096)) == 4096
+    assert memory_safe_fallback(151936 * 1024, (151936, 1024)) == 2048
+    for n, shape in [(7, (7,)), (1, (1,)), (8, (8,)), (13, (13,)), (91, (7, 13)),
+                     (2 * 4099, (2, 4099)), (4099 * 3, (4099 * 3,)), (96, (96, 1)),
+                     (60, (6, 10)), (4096, ()), (1 << 20, (1 << 20,)), (12, (2, 2, 3))]:
+        assert memory_safe_fallback(n, shape) == naive_fallback(n, shape), (n, shape)
+
+
+def test_fallback_applies_inside_the_search_only_when_the_search_gives_one() -> None:
+    g = make_grad((64, 512), seed=0, kind="iid")
+    assert search_period(g, (64, 512), fallback=False) == 1
+    assert search_period(g, (64, 512)) == 2048
+    # A local shard: numel from the shard, the row-length candidate from the global shape.
+    shard = g.reshape(-1)[: 64 * 512 // 4]
+    assert search_period(shard, (64, 512)) == naive_fallback(shard.numel(), (64, 512))
+
+
+@pytest.mark.parametrize("n", [1, 2, 12, 97, 360, 1024, 65521, 4096 * 3, 2 * 3 * 5 * 7 * 11 * 13])
+def test_period_candidates(n: int) -> None:
+    assert period_candidates(n) == [d for d in brute_divisors(n) if d < n]
+
+
+def test_numel_one_and_errors() -> None:
+    assert search_period(torch.randn(1), (1,)) == 1
+    assert search_period(torch.randn(()), ()) == 1
+    with pytest.raises(ValueError, match="numel"):
+        search_period(torch.randn(0), (0,))
+    with pytest.raises(ValueError, match="variant"):
+        search_period(torch.randn(8), (8,), variant="peaks")
+    with pytest.raises(TypeError, match="floating"):
+        search_period(torch.ones(8, dtype=torch.int64), (8,))
+    with pytest.raises(TypeError, match="shape"):
+        search_period(torch.randn(8), 8)
+    with pytest.raises(ValueError, match="numel"):
+        period_candidates(0)
+
+
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+@pytest.mark.parametrize("n", [2, 3, 7, 64 * 512])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_gradient_is_refused(variant: str, n: int, bad: float) -> None:
+    g = torch.randn(n)
+    g[n // 2] = bad
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        search_period(g, (n,), variant=variant)

@@ -1,0 +1,47 @@
+"""The codebook search table of ALGORITHM.md §1.8.4 (acceleration only; never changes a code).
+
+``L[b]`` (int32, ``b = 0 .. 4096``) counts the codewords whose bucket
+``clamp(floor((c + 1) * 2048), 0, 4095)`` (fp32) is below ``b``. For any ``x``, the lower bound
+of ``x`` in the codebook lies in ``[L[bucket(x)], L[bucket(x) + 1]]``: a codeword in a lower
+bucket is below ``x`` and one in a higher bucket above it, because the bucket map is monotone
+and computed identically (fp32) here and in the kernels. A learned codebook has at most about
+one codeword per bucket, so one or two probes replace the eight of a full binary search.
+
+Building a table reads the widest range back to the host (one synchronisation), so tables are
+cached per codebook tensor and its version counter; the cache is keyed on the tensor object
+(weakly), so a new or modified codebook gets a new table. During CUDA-graph capture a missing
+table is not built: the kernels then take the full search (same codes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._numerics import HISTOGRAM_BINS
+
+# Keyed on tensor identity (a weak reference): tensors compare elementwise, not by identity.
+_CACHE = WeakIdKeyDictionary()
+
+
+def build_search_table(codebook: Tensor) -> tuple[Tensor, int]:
+    """(int32 ``[4097]`` table on the codebook's device, probes needed ``>= 1``)."""
+    bucket = torch.floor((codebook + 1.0) * float(HISTOGRAM_BINS // 2))
+    bucket = bucket.clamp_(0, HISTOGRAM_BINS - 1).to(torch.int64)
+    edges = torch.arange(HISTOGRAM_BINS + 1, device=codebook.device, dtype=torch.int64)
+    table = torch.searchsorted(bucket, edges, right=False).to(torch.int32)
+    widest = int((table[1:] - table[:-1]).max())
+    return table, max(1, widest.bit_length())
+
+
+def search_table(codebook: Tensor) -> tuple[Tensor, int]:
+    """Cached table for ``codebook``; ``(codebook, 0)`` means "use the full search"."""
+    hit = _CACHE.get(codebook)
+    if hit is not None and hit[0] == codebook._version:
+        return hit[1], hit[2]
+    if codebook.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return codebook, 0
+    table, steps = build_search_table(codebook)
+    _CACHE[codebook] = (codebook._version, table, steps)
+    return table, steps

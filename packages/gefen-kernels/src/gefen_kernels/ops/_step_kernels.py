@@ -1,0 +1,365 @@
+"""Triton kernels of the Gefen step, shared by ``block_step`` and ``factored_step``.
+
+The two modes differ only in the denominator: per block from ``exp_avg_sq`` (``FACTORED=False``)
+or per element from the row/column statistics (``FACTORED=True``, ``sigma`` computed in
+registers from ``r[row]``, ``k[col]`` and ``1/rbar``). Three routes cover every period; all
+produce bit-identical codes and scales (the block max is order-independent) and the same
+parameters for the same second moment:
+
+* ``tile``: one program holds ``BPP`` whole blocks as a ``[BPP, P2]`` register tile
+  (``P2`` = next power of two >= P, ``BPP * P2 >= 2048``), so small blocks share a program and
+  every byte is touched once: grad read, param read+write, codes read+write (8 B/param for
+  bf16 params). Used for ``P <= 4096``.
+* ``loop``: one program per block, looping over it in tiles twice (max and sum of squares,
+  then quantise and write); the second sweep re-reads grad and codes from L2. Used for long
+  blocks when there are enough of them to fill the GPU.
+* ``split``: few long blocks: each block is split over ``S`` programs. Phase 1 writes partial
+  max / sum of squares per (block, split) to scratch; a fixed-order reduction (torch) gives the
+  block max, the second moment and ``sigma``; phase 2 recomputes the momentum, quantises and
+  writes; the new scales are copied last (phase 2 still reads the old ones). No atomics: the
+  result is deterministic.
+
+Pointer arguments: ``p_ptr`` param (fp32/bf16/fp16, ``N``), ``g_ptr`` grad (``N``, fp32/bf16/
+fp16), ``q_ptr`` uint8 codes ``[B, P]``, ``s_ptr`` fp32 scales ``[B]``, ``v_ptr`` fp32 second
+moment ``[B]`` (block mode), ``row_ptr``/``col_ptr`` fp32 ``[R]``/``[C]`` and ``inv_rbar_ptr``
+fp32 ``[1]`` (factored mode), ``cb_ptr`` fp32 ``[256]``, ``hyper_ptr`` fp32 ``[4]``
+(``HYPER``), ``seed_ptr`` int64 ``[1]`` (``SEED_PTR``). All arithmetic is fp32; all offsets are
+int64. Constexprs: ``FACTORED`` mode, ``MAXIMIZE`` negate grad, ``STOCHASTIC`` rounding,
+``HYPER``/``SEED_PTR`` read scalars from device memory (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._numerics import f32, to_signed64
+from .._triton import jit, program_elements, require_triton, tl, triton
+from ._dispatch import check_device_for_triton
+from ._search_table import search_table
+from ._step_ref import denominator
+from ._triton_helpers import (
+    LAUNCH_OPTIONS,
+    tl_momentum_ema,
+    tl_nan_max,
+    tl_quantize_nearest,
+    tl_quantize_stochastic,
+    tl_round_to,
+)
+
+TILE_MAX_PERIOD = 4096  # tile route up to this period
+TILE_ELEMENTS = 2048  # elements per program in the tile route (at least one whole block)
+LOOP_TILE = 2048  # elements per iteration in the loop and split routes
+SPLIT_ELEMENTS = 16384  # elements of one block per program in the split route
+
+
+@jit
+def _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER: tl.constexpr):
+    if HYPER:
+        lr = tl.load(hyper_ptr + 0)
+        bc2 = tl.load(hyper_ptr + 1)
+        bc1 = tl.load(hyper_ptr + 2)
+        decay = tl.load(hyper_ptr + 3)
+    return lr, bc2, bc1, decay
+
+
+@jit
+def _load_seed(seed_ptr, seed, SEED_PTR: tl.constexpr):
+    if SEED_PTR:
+        s = tl.load(seed_ptr)
+    else:
+        s = seed.to(tl.int64)
+    return s.to(tl.uint64, bitcast=True)
+
+
+@jit
+def _block_sigma(sumsq, v_old, period, b2, omb2, eps, bc2, bc1):
+    """v' = b2 v + (1-b2) f32(sumsq / P); sigma = f32(1/f32(f32(sqrt(v') * bc2) + eps)) * bc1."""
+    mean = tl.math.div_rn(sumsq, period.to(tl.float32))
+    v_new = b2 * v_old + omb2 * mean
+    h = tl.math.sqrt_rn(v_new) * bc2
+    h = h + eps
+    sigma = tl.math.div_rn(1.0, h) * bc1
+    return v_new, sigma
+
+
+@jit
+def _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE: tl.constexpr):
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    code = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
+    m = tl_momentum_ema(b1, omb1, s_old, tl.load(cb_ptr + code), g)
+    return g, m
+
+
+@jit
+def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, m, s_new,
+           sigma_block, ncols, lr, bc2, bc1, decay, eps, seed_u,
+           FACTORED: tl.constexpr, STOCHASTIC: tl.constexpr, STEPS: tl.constexpr):
+    """Normalise, quantise, write codes and (lr != 0) the parameter update for ``offs``."""
+    positive = s_new > 0
+    z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)
+    if STOCHASTIC:
+        q = tl_quantize_stochastic(z, cb_ptr, table_ptr, STEPS, seed_u, offs)
+    else:
+        q = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
+    tl.store(q_ptr + offs, q.to(tl.uint8), mask=mask)
+    if lr != 0.0:
+        mhat = tl.load(cb_ptr + q) * s_new
+        if FACTORED:
+            r = tl.load(row_ptr + offs // ncols, mask=mask, other=0.0)
+            k = tl.load(col_ptr + offs % ncols, mask=mask, other=0.0)
+            big_v = (r * k) * tl.load(inv_rbar_ptr)
+            h = tl.math.sqrt_rn(big_v * bc2)
+            h = h + eps
+            sigma = tl.math.div_rn(1.0, h) * bc1
+            # Row or column never had a gradient: exact momentum 0, no update (_numerics).
+            mhat = tl.where(big_v == 0.0, 0.0, mhat)
+        else:
+            sigma = sigma_block
+        u = (mhat * sigma) * lr
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        decayed = tl_round_to(p.to(tl.float32) * decay, p.dtype).to(tl.float32)
+        tl.store(p_ptr + offs, tl_round_to(decayed - u, p.dtype), mask=mask)
+
+
+@jit
+def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,
+                 table_ptr, num_blocks, period, ncols, b1, omb1, b2, omb2, eps, lr, bc2, bc1,
+                 decay, seed_u, BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
+                 MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, STEPS: tl.constexpr):
+    """The tile route's work for program ``pid`` (int64) of one tensor: blocks
+    ``[pid * BPP, (pid + 1) * BPP)`` as a ``[BPP, P2]`` register tile."""
+    blocks = pid * BPP + tl.arange(0, BPP).to(tl.int64)
+    cols = tl.arange(0, P2).to(tl.int64)
+    bmask = blocks < num_blocks
+    mask = bmask[:, None] & (cols < period)[None, :]
+    offs = blocks[:, None] * period + cols[None, :]
+    s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
+    g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
+    s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
+    sigma = s_new  # unused in factored mode
+    if not FACTORED:
+        v_old = tl.load(v_ptr + blocks, mask=bmask, other=0.0)
+        v_new, sigma = _block_sigma(tl.sum(g * g, axis=1), v_old, period, b2, omb2, eps, bc2,
+                                    bc1)
+        tl.store(v_ptr + blocks, v_new, mask=bmask)
+    _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, m,
+           s_new[:, None], sigma[:, None], ncols, lr, bc2, bc1, decay, eps, seed_u, FACTORED,
+           STOCHASTIC, STEPS)
+    tl.store(s_ptr + blocks, s_new, mask=bmask)
+
+
+@jit(do_not_specialize=["seed"])
+def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,
+                      table_ptr, hyper_ptr, seed_ptr, num_blocks, period, ncols,
+                      b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
+                      BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
+                      MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
+                      SEED_PTR: tl.constexpr, STEPS: tl.constexpr):
+    """Tile route: program ``pid`` owns blocks ``[pid * BPP, (pid + 1) * BPP)``."""
+    lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
+    _tile_blocks(tl.program_id(0).to(tl.int64), p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr,
+                 col_ptr, inv_rbar_ptr, cb_ptr, table_ptr, num_blocks, period, ncols, b1, omb1,
+                 b2, omb2, eps, lr, bc2, bc1, decay, _load_seed(seed_ptr, seed, SEED_PTR), BPP,
+                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS)
+
+
+@jit(do_not_specialize=["seed"])
+def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,
+                      table_ptr, hyper_ptr, seed_ptr, num_blocks, period, ncols,
+                      b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
+                      TILE: tl.constexpr, FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                      STOCHASTIC: tl.constexpr, HYPER: tl.constexpr, SEED_PTR: tl.constexpr,
+                      STEPS: tl.constexpr):
+    """Loop route: program ``pid`` owns block ``pid`` and sweeps it twice in ``TILE`` steps."""
+    block = tl.program_id(0).to(tl.int64)
+    base = block * period
+    lanes = tl.arange(0, TILE).to(tl.int64)
+    lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
+    s_old = tl.load(s_ptr + block)
+    acc_max = tl.zeros([TILE], dtype=tl.float32)
+    acc_nan = tl.zeros([TILE], dtype=tl.int32)
+    acc_sq = tl.zeros([TILE], dtype=tl.float32)
+    # while, not range(): Triton 3.3's interpreter cannot take a runtime loop bound.
+    start = period * 0
+    while start < period:
+        mask = start + lanes < period
+        offs = base + start + lanes
+        g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
+        acc_max = tl.maximum(acc_max, tl.where(mask, tl.abs(m), 0.0))
+        acc_nan = acc_nan | (mask & (m != m)).to(tl.int32)
+        acc_sq += g * g
+        start += TILE
+    s_new = tl_nan_max(acc_max, acc_nan, 0)
+    sigma = s_new
+    if not FACTORED:
+        v_new, sigma = _block_sigma(tl.sum(acc_sq, axis=0), tl.load(v_ptr + block), period,
+                                    b2, omb2, eps, bc2, bc1)
+        tl.store(v_ptr + block, v_new)
+    seed_u = _load_seed(seed_ptr, seed, SEED_PTR)
+    start = period * 0
+    while start < period:
+        mask = start + lanes < period
+        offs = base + start + lanes
+        g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
+        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, m,
+               s_new, sigma, ncols, lr, bc2, bc1, decay, eps, seed_u, FACTORED, STOCHASTIC,
+               STEPS)
+        start += TILE
+    tl.store(s_ptr + block, s_new)
+
+
+@jit
+def _step_partial_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, part_max_ptr, part_sq_ptr, period,
+                         num_splits, b1, omb1, SPLIT: tl.constexpr, TILE: tl.constexpr,
+                         FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr):
+    """Split route, phase 1: max |m| (NaN-propagating) and sum g^2 of one slice of a block."""
+    block = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    lanes = tl.arange(0, TILE).to(tl.int64)
+    s_old = tl.load(s_ptr + block)
+    acc_max = tl.zeros([TILE], dtype=tl.float32)
+    acc_nan = tl.zeros([TILE], dtype=tl.int32)
+    acc_sq = tl.zeros([TILE], dtype=tl.float32)
+    lo = split * SPLIT
+    for start in range(0, SPLIT, TILE):
+        pos = lo + start + lanes
+        mask = pos < period
+        offs = block * period + pos
+        g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
+        acc_max = tl.maximum(acc_max, tl.where(mask, tl.abs(m), 0.0))
+        acc_nan = acc_nan | (mask & (m != m)).to(tl.int32)
+        acc_sq += g * g
+    tl.store(part_max_ptr + block * num_splits + split, tl_nan_max(acc_max, acc_nan, 0))
+    if not FACTORED:
+        tl.store(part_sq_ptr + block * num_splits + split, tl.sum(acc_sq, axis=0))
+
+
+@jit(do_not_specialize=["seed"])
+def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr, col_ptr,
+                       inv_rbar_ptr, cb_ptr, table_ptr, hyper_ptr, seed_ptr, period, ncols,
+                       b1, omb1, eps, lr, bc2, bc1, decay, seed,
+                       SPLIT: tl.constexpr, TILE: tl.constexpr, FACTORED: tl.constexpr,
+                       MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
+                       SEED_PTR: tl.constexpr, STEPS: tl.constexpr):
+    """Split route, phase 2: recompute m with the old scale, quantise with the new one, write."""
+    block = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    lanes = tl.arange(0, TILE).to(tl.int64)
+    lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
+    s_old = tl.load(s_ptr + block)
+    s_new = tl.load(s_new_ptr + block)
+    sigma = s_new
+    if not FACTORED:
+        sigma = tl.load(sigma_ptr + block)
+    seed_u = _load_seed(seed_ptr, seed, SEED_PTR)
+    lo = split * SPLIT
+    for start in range(0, SPLIT, TILE):
+        pos = lo + start + lanes
+        mask = pos < period
+        offs = block * period + pos
+        g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
+        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, m,
+               s_new, sigma, ncols, lr, bc2, bc1, decay, eps, seed_u, FACTORED, STOCHASTIC,
+               STEPS)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_route(num_blocks: int, period: int, device: torch.device) -> str:
+    """Performance-only routing (all routes give the same codes and scales)."""
+    if period <= TILE_MAX_PERIOD:
+        return "tile"
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 8
+    return "loop" if num_blocks >= 4 * sms else "split"
+
+
+def launch_step(
+    param: Tensor, grad: Tensor, codes: Tensor, scale: Tensor, *,
+    exp_avg_sq: Tensor | None, row: Tensor | None, col: Tensor | None,
+    inv_rbar: Tensor | None, ncols: int, codebook: Tensor,
+    lr: float, beta1: float, beta2: float, eps: float, bc1_recip: float, bc2: float,
+    decay: float, maximize: bool, stochastic_round: bool, seed: int,
+    hyper: Tensor | None, seed_tensor: Tensor | None,
+    route: str | None = None, split_elements: int = SPLIT_ELEMENTS,
+    loop_tile: int = LOOP_TILE, use_table: bool = True,
+) -> None:
+    """Launch the step kernels (block mode when ``exp_avg_sq`` is given, else factored)."""
+    require_triton("the Triton Gefen step")
+    check_device_for_triton(param)
+    num_blocks, period = codes.shape
+    if num_blocks * period == 0:
+        return
+    factored = exp_avg_sq is None
+    dummy = codebook
+    b1, b2 = f32(beta1), f32(beta2)
+    common = dict(
+        FACTORED=factored, MAXIMIZE=bool(maximize), STOCHASTIC=bool(stochastic_round),
+    )
+    scal = dict(lr=f32(lr), bc2=f32(bc2), bc1=f32(bc1_recip), decay=f32(decay))
+    hyper_ptr = hyper if hyper is not None else dummy
+    seed_ptr = seed_tensor if seed_tensor is not None else dummy
+    table, steps = search_table(codebook) if use_table else (codebook, 0)
+    flags = dict(HYPER=hyper is not None, SEED_PTR=seed_tensor is not None, STEPS=steps)
+    v_ptr = exp_avg_sq if exp_avg_sq is not None else dummy
+    row_ptr = row if row is not None else dummy
+    col_ptr = col if col is not None else dummy
+    inv_ptr = inv_rbar if inv_rbar is not None else dummy
+    flat_p, flat_g = param.view(-1), grad.view(-1)
+    route = route or choose_route(num_blocks, period, param.device)
+    if route == "tile":
+        p2 = _next_pow2(period)
+        bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
+        grid = (triton.cdiv(num_blocks, bpp),)
+        _step_tile_kernel[grid](
+            flat_p, flat_g, codes, scale, v_ptr, row_ptr, col_ptr, inv_ptr, codebook, table,
+            hyper_ptr, seed_ptr, num_blocks, period, ncols, b1, f32(1.0 - b1), b2,
+            f32(1.0 - b2), f32(eps), scal["lr"], scal["bc2"], scal["bc1"], scal["decay"],
+            to_signed64(seed), BPP=bpp, P2=p2, **common, **flags,
+            num_warps=8 if bpp * p2 >= 2048 else 4, **LAUNCH_OPTIONS)
+    elif route == "loop":
+        _step_loop_kernel[(num_blocks,)](
+            flat_p, flat_g, codes, scale, v_ptr, row_ptr, col_ptr, inv_ptr, codebook, table,
+            hyper_ptr, seed_ptr, num_blocks, period, ncols, b1, f32(1.0 - b1), b2,
+            f32(1.0 - b2), f32(eps), scal["lr"], scal["bc2"], scal["bc1"], scal["decay"],
+            to_signed64(seed), TILE=loop_tile, **common, **flags, num_warps=8,
+            **LAUNCH_OPTIONS)
+    elif route == "split":
+        num_splits = triton.cdiv(period, split_elements)
+        part_max = torch.empty(num_blocks, num_splits, dtype=torch.float32, device=param.device)
+        part_sq = torch.empty_like(part_max) if not factored else part_max
+        _step_partial_kernel[(num_blocks, num_splits)](
+            flat_g, codes, scale, codebook, part_max, part_sq, period, num_splits, b1,
+            f32(1.0 - b1), SPLIT=split_elements, TILE=min(loop_tile, split_elements),
+            FACTORED=factored, MAXIMIZE=bool(maximize), num_warps=8, **LAUNCH_OPTIONS)
+        s_new = part_max.amax(dim=1)  # NaN-propagating, order-independent
+        sigma = s_new
+        if exp_avg_sq is not None:
+            # The same IEEE operations as _block_sigma, in torch (fixed-order sum).
+            sumsq = part_sq.sum(dim=1)
+            bc2_s: float | Tensor = hyper[1] if hyper is not None else scal["bc2"]
+            bc1_s: float | Tensor = hyper[2] if hyper is not None else scal["bc1"]
+            mean = sumsq / float(period)
+            v_new = (exp_avg_sq.view(-1) * b2) + (mean * f32(1.0 - b2))
+            exp_avg_sq.view(-1).copy_(v_new)
+            h = torch.sqrt(v_new) * bc2_s
+            sigma = torch.reciprocal(h + f32(eps)) * bc1_s
+        _step_apply_kernel[(num_blocks, num_splits)](
+            flat_p, flat_g, codes, scale, s_new, sigma, row_ptr, col_ptr, inv_ptr, codebook,
+            table, hyper_ptr, seed_ptr, period, ncols, b1, f32(1.0 - b1), f32(eps), scal["lr"],
+            scal["bc2"], scal["bc1"], scal["decay"], to_signed64(seed),
+            SPLIT=split_elements, TILE=min(loop_tile, split_elements), **common, **flags,
+            num_warps=8, **LAUNCH_OPTIONS)
+        scale.view(-1).copy_(s_new)
+    else:
+        raise ValueError(f"unknown route {route!r}; expected 'tile', 'loop' or 'split'")
+
+
+__all__ = ["choose_route", "denominator", "launch_step"]

@@ -1,0 +1,230 @@
+"""4096-bin histogram of block-normalised gradients (ALGORITHM.md §1.8.2, §3.3).
+
+The flattened gradient is viewed as ``[B, P]``; each block is divided by its max-abs
+``a_b`` (``z = 0`` when ``a_b == 0``) and ``z`` is binned by
+``clamp(floor((z + 1) * 2048), 0, 4095)`` in fp32: ``-1`` lands in bin 0, ``0`` in bin 2048,
+``+1`` in bin 4095. Counts are exact int64. Blocks whose max-abs is not finite (a NaN or Inf in
+the block) are skipped entirely (non-finite policy O9, :mod:`gefen_kernels._numerics`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _validation as V
+from .._numerics import HISTOGRAM_BINS
+from .._triton import jit, program_elements, require_triton, tl, triton
+from ._chunks import block_groups
+from ._dispatch import check_device_for_triton, use_triton
+from ._triton_helpers import LAUNCH_OPTIONS
+
+__all__ = ["histogram", "histogram_reference", "histogram_triton"]
+
+
+def _check(grad: Tensor, period: int) -> int:
+    V.check_tensor("grad", grad)
+    V.check_float("grad", grad)
+    if grad.is_complex():
+        raise TypeError("grad must be real")
+    V.check_contiguous("grad", grad)
+    if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+        raise ValueError(f"period must be a positive int, got {period!r}")
+    numel = grad.numel()
+    if numel % period != 0:
+        raise ValueError(f"period {period} does not divide grad.numel() = {numel}")
+    return numel // period
+
+
+def _bins(g: Tensor, amax: Tensor) -> Tensor:
+    """Bin indices (int64) of fp32 ``g`` rows normalised by their fp32 ``amax`` ``[n, 1]``."""
+    positive = amax > 0
+    z = torch.where(positive, g / torch.where(positive, amax, torch.ones_like(amax)),
+                    torch.zeros_like(g))
+    idx = torch.floor((z + 1.0) * float(HISTOGRAM_BINS // 2))
+    return idx.clamp_(0, HISTOGRAM_BINS - 1).to(torch.int64)
+
+
+def histogram_reference(grad: Tensor, period: int) -> Tensor:
+    """Histogram of ``grad`` viewed as ``[N / period, period]``; int64 ``[4096]``.
+
+    Args:
+        grad: contiguous float tensor (any float dtype; converted to fp32 chunk by chunk).
+        period: block length ``P`` dividing ``grad.numel()``.
+
+    Returns:
+        int64 ``[4096]`` on ``grad``'s device; the counts sum to ``N`` minus the elements of
+        blocks with a non-finite max-abs.
+
+    Raises:
+        TypeError, ValueError: non-float, non-contiguous ``grad`` or a bad ``period``.
+    """
+    num_blocks = _check(grad, period)
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=grad.device)
+    flat = grad.view(-1)
+    for group in block_groups(num_blocks, period):
+        nb = group.stop - group.first
+        rows = nb if len(group.tiles) == 1 else 1
+        amax: Tensor | None = None
+        for start, end in group.tiles:
+            tile_max = flat[start:end].view(rows, -1).float().abs().amax(dim=1, keepdim=True)
+            amax = tile_max if amax is None else torch.maximum(amax, tile_max)
+        assert amax is not None
+        finite = torch.isfinite(amax)
+        for start, end in group.tiles:
+            g = flat[start:end].view(rows, -1).float()
+            idx = _bins(g, amax)
+            # Non-finite blocks go to an overflow bin that is dropped below.
+            idx = torch.where(finite, idx, HISTOGRAM_BINS)
+            counts += torch.bincount(idx.view(-1), minlength=HISTOGRAM_BINS + 1)[:HISTOGRAM_BINS]
+    return counts
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels: tile route (whole blocks per program) and split route (long blocks)
+# --------------------------------------------------------------------------------------------
+
+_HIST_TILE = 2048  # elements per program (tile route) / per iteration (split route)
+_HIST_TILE_MAX_PERIOD = 4096
+_HIST_SPLIT = 16384  # elements of one block per program (split route)
+
+
+@jit
+def _bin_and_count(g, amax, valid, counts_ptr, NUM_BINS: tl.constexpr, N: tl.constexpr):
+    """Bin fp32 ``g`` (normalised by ``amax``, broadcastable) and add the counts of ``valid``
+    elements to the int64 ``counts_ptr[NUM_BINS]`` (order-independent integer atomics).
+
+    Invalid elements are binned into bin 0 and subtracted again (``tl.histogram`` has no mask
+    before Triton 3.4, and a second, overflow half would double its registers)."""
+    positive = amax > 0
+    z = tl.where(positive, tl.math.div_rn(g, tl.where(positive, amax, 1.0)), 0.0)
+    idx = tl.floor((z + 1.0) * (NUM_BINS // 2))
+    idx = tl.minimum(tl.maximum(idx, 0.0), NUM_BINS - 1.0).to(tl.int32)
+    idx = tl.where(valid, idx, 0)
+    hist = tl.histogram(tl.reshape(idx, [N]), NUM_BINS)
+    invalid = N - tl.sum(tl.reshape(valid, [N]).to(tl.int32), axis=0)
+    bins = tl.arange(0, NUM_BINS)
+    hist = tl.where(bins == 0, hist - invalid, hist)
+    tl.atomic_add(counts_ptr + bins, hist.to(tl.int64), mask=hist > 0, sem="relaxed")
+
+
+@jit
+def _finite(x):
+    return (x == x) & (tl.abs(x) != float("inf"))
+
+
+@jit
+def _not_finite(x):
+    # Spelled out rather than ~_finite(x): Triton 3.3's interpreter cannot invert booleans.
+    return (x != x) | (tl.abs(x) == float("inf"))
+
+
+@jit
+def _histogram_tile_kernel(g_ptr, counts_ptr, num_blocks, period, BPP: tl.constexpr,
+                           P2: tl.constexpr, NUM_BINS: tl.constexpr):
+    """Tile route: ``BPP`` whole blocks (``[BPP, P2]``, ``P2`` = next pow2 >= period) per
+    program; g_ptr fp32/bf16/fp16 ``[N]``; counts_ptr int64 ``[NUM_BINS]``."""
+    pid = tl.program_id(0).to(tl.int64)
+    blocks = pid * BPP + tl.arange(0, BPP).to(tl.int64)
+    cols = tl.arange(0, P2).to(tl.int64)
+    mask = (blocks < num_blocks)[:, None] & (cols < period)[None, :]
+    g = tl.load(g_ptr + blocks[:, None] * period + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(g), axis=1)
+    bad = tl.max((mask & _not_finite(g)).to(tl.int32), axis=1)
+    valid = mask & (bad == 0)[:, None]
+    _bin_and_count(g, amax[:, None], valid, counts_ptr, NUM_BINS, BPP * P2)
+
+
+@jit
+def _histogram_partial_max_kernel(g_ptr, part_ptr, period, num_splits, SPLIT: tl.constexpr,
+                                  TILE: tl.constexpr):
+    """Split route, phase 1: max |g| of one slice of a block (Inf if a NaN/Inf is seen)."""
+    block = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    lanes = tl.arange(0, TILE).to(tl.int64)
+    acc = tl.zeros([TILE], dtype=tl.float32)
+    for start in range(0, SPLIT, TILE):
+        pos = split * SPLIT + start + lanes
+        mask = pos < period
+        g = tl.load(g_ptr + block * period + pos, mask=mask, other=0.0).to(tl.float32)
+        a = tl.where(_finite(g), tl.abs(g), float("inf"))
+        acc = tl.maximum(acc, a)
+    tl.store(part_ptr + block * num_splits + split, tl.max(acc, axis=0))
+
+
+@jit
+def _histogram_split_kernel(g_ptr, amax_ptr, counts_ptr, period, SPLIT: tl.constexpr,
+                            TILE: tl.constexpr, NUM_BINS: tl.constexpr):
+    """Split route, phase 2: bin one slice of a block with the block's max (skip if not finite)."""
+    block = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    lanes = tl.arange(0, TILE).to(tl.int64)
+    amax = tl.load(amax_ptr + block)
+    if amax != float("inf"):
+        for start in range(0, SPLIT, TILE):
+            pos = split * SPLIT + start + lanes
+            mask = pos < period
+            g = tl.load(g_ptr + block * period + pos, mask=mask, other=0.0).to(tl.float32)
+            _bin_and_count(g, amax, mask, counts_ptr, NUM_BINS, TILE)
+
+
+def histogram_triton(grad: Tensor, period: int, *, _route: str | None = None,
+                     _split_elements: int = _HIST_SPLIT) -> Tensor:
+    """Triton twin of :func:`histogram_reference` (same signature, identical counts).
+
+    Raises:
+        ImportError: Triton is not installed. TypeError, ValueError: as the reference, plus
+            non-CUDA tensors outside the interpreter.
+    """
+    num_blocks = _check(grad, period)
+    require_triton("the Triton histogram")
+    check_device_for_triton(grad)
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=grad.device)
+    if grad.numel() == 0:
+        return counts
+    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        grad = grad.to(torch.float32)
+    flat = grad.view(-1)
+    route = _route or ("tile" if period <= _HIST_TILE_MAX_PERIOD else "split")
+    if route == "tile":
+        p2 = 1 << max(0, (period - 1).bit_length())
+        bpp = max(1, program_elements(_HIST_TILE) // p2)
+        _histogram_tile_kernel[(triton.cdiv(num_blocks, bpp),)](
+            flat, counts, num_blocks, period, BPP=bpp, P2=p2, NUM_BINS=HISTOGRAM_BINS,
+            num_warps=8, **LAUNCH_OPTIONS)
+        return counts
+    num_splits = triton.cdiv(period, _split_elements)
+    tile = min(_HIST_TILE, _split_elements)
+    part = torch.empty(num_blocks, num_splits, dtype=torch.float32, device=grad.device)
+    _histogram_partial_max_kernel[(num_blocks, num_splits)](
+        flat, part, period, num_splits, SPLIT=_split_elements, TILE=tile, num_warps=8,
+        **LAUNCH_OPTIONS)
+    amax = part.amax(dim=1)
+    _histogram_split_kernel[(num_blocks, num_splits)](
+        flat, amax, counts, period, SPLIT=_split_elements, TILE=tile, NUM_BINS=HISTOGRAM_BINS,
+        num_warps=8, **LAUNCH_OPTIONS)
+    return counts
+
+
+@torch.library.custom_op("gefen::histogram", mutates_args=())
+def _histogram_op(grad: Tensor, period: int) -> Tensor:
+    return histogram_reference(grad, period)
+
+
+@_histogram_op.register_kernel("cuda")
+def _histogram_cuda(grad: Tensor, period: int) -> Tensor:
+    if use_triton(grad):
+        return histogram_triton(grad, period)
+    return histogram_reference(grad, period)
+
+
+@_histogram_op.register_fake
+def _histogram_fake(grad: Tensor, period: int) -> Tensor:
+    return torch.empty(HISTOGRAM_BINS, dtype=torch.int64, device=grad.device)
+
+
+def histogram(grad: Tensor, period: int) -> Tensor:
+    """int64 ``[4096]`` histogram through ``torch.ops.gefen.histogram`` (see the reference)."""
+    _check(grad, period)
+    return torch.ops.gefen.histogram(grad, period)

@@ -1,0 +1,347 @@
+"""Period-search scores for every candidate period in one pass (ALGORITHM.md §1.7.2, §1.7.3, §8.2).
+
+For a flattened gradient ``g`` (``N`` elements, logical row-major order) and ascending candidate
+periods ``p`` dividing ``N`` (``B_p = N / p`` blocks ``[b*p, (b+1)*p)``):
+
+* ``"log_contrast"`` (Variant L): ``x_i = ln(f32(g_i * g_i) + 1e-12)`` (the square in fp32, the
+  log and everything after in fp64); block log-means ``mu_b = (1/p) sum_{i in b} x_i``;
+  ``S(p) = (1/(B_p - 1)) sum_b |mu_{b+1} - mu_b|``. Needs ``B_p >= 2``.
+* ``"variance"`` (Variant V): ``y_i = g_i^2`` (``g`` in fp32, then squared in fp64); per block the
+  population variance ``max(0, sum(y^2)/p - (sum(y)/p)^2)`` from fp64 block sums;
+  ``E(p) = sqrt((1/B_p) sum_b Var_b)``; ``E(1) = 0`` (reported as ``0 * sum(y)`` so that a
+  non-finite gradient still shows as a non-finite score).
+
+How (§8 item 2: one pass, no pass and no host sync per candidate). The tensor is read once, in
+chunks of whole elements. Per chunk the transformed values get an fp64 *exclusive prefix sum
+local to the chunk* (``E[0] = 0``, ``E[u] = sum`` of the chunk's first ``u`` values): a flat
+running sum over 10^9 elements would lose the digits that adjacent-block differences need, a
+chunk-local one loses at most ``eps * chunk * max|x|``. Block ends are multiples of ``p``, so
+every block sum of every candidate is a difference of ``E`` sampled at those multiples, plus the
+partial sum of a block left open by the previous chunk (carried per candidate). All candidates'
+block ends in a chunk are gathered together, so the work is ``O(sum_p chunk / p)`` per chunk and
+the number of operations does not depend on the number of candidates. Candidate ``p = 1`` uses
+the values themselves. Reductions run in a fixed order (no atomics): the scores are
+deterministic. The result stays on the device; the caller reads it with one sync.
+
+Non-finite input is not an error here: a NaN or Inf gradient (or, for Variant L, a square that
+overflows fp32) makes every score that covers it non-finite, ``S(1)`` and ``E(1)`` included;
+``gefen_core.period.search_period`` turns that into an error.
+
+The Triton path computes the transform and the chunk-local prefix sums in one kernel (fp64 tile
+scans plus fp64 tile offsets); gathering block ends and the per-candidate reductions are shared
+with the reference. Scores agree with the reference to fp64 rounding (the scan order differs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .. import _validation as V
+from .._triton import jit, require_triton, tl, triton
+from ._dispatch import check_device_for_triton, use_triton
+from ._triton_helpers import LAUNCH_OPTIONS
+
+__all__ = [
+    "LOG_EPS",
+    "VARIANTS",
+    "period_scores",
+    "period_scores_reference",
+    "period_scores_triton",
+]
+
+#: The two score definitions (§1.7.2 Variant L, §1.7.3 Variant V).
+VARIANTS = ("log_contrast", "variance")
+#: ``epsilon`` inside ``ln(g^2 + epsilon)`` (Appendix A).
+LOG_EPS = 1e-12
+
+# Elements per chunk: bounds the fp64 scratch (prefix sums and gathered block ends) to a few
+# tens of MiB whatever the tensor size.
+_CHUNK_REFERENCE = 1 << 19
+_CHUNK_TRITON = 1 << 21
+_TILE = 1024  # elements per Triton program (one fp64 scan each)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+def _check_meta(grad: Tensor, candidates: Tensor, variant: str) -> None:
+    V.check_tensor("grad", grad)
+    V.check_float("grad", grad)
+    if grad.is_complex():
+        raise TypeError("grad must be real")
+    V.check_contiguous("grad", grad)
+    V.check_tensor("candidates", candidates)
+    if candidates.dtype != torch.int64 or candidates.dim() != 1:
+        raise ValueError(f"candidates must be a 1-D int64 tensor, got {candidates.dtype} "
+                         f"of shape {list(candidates.shape)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def _host_candidates(grad: Tensor, candidates: Tensor, variant: str) -> list[int]:
+    """The candidate values as Python ints, checked against ``N`` (reads them to the host)."""
+    cands = [int(p) for p in candidates.tolist()]
+    numel = grad.numel()
+    for p in cands:
+        if p < 1 or numel % p != 0:
+            raise ValueError(f"every candidate must be a positive divisor of grad.numel() = "
+                             f"{numel}, got {p}")
+        if variant == "log_contrast" and numel // p < 2:
+            raise ValueError(f"log_contrast needs at least 2 blocks per candidate; p = {p} "
+                             f"gives {numel // p} for grad.numel() = {numel}")
+    if any(b <= a for a, b in zip(cands, cands[1:])):
+        raise ValueError("candidates must be strictly ascending")
+    return cands
+
+
+# --------------------------------------------------------------------------------------------
+# Chunk transforms with local prefix sums
+# --------------------------------------------------------------------------------------------
+def _transform_reference(chunk: Tensor, variant: str) -> tuple[Tensor, Tensor]:
+    """``(values, E)``: transformed fp64 values ``[A, n]`` and exclusive prefix ``[A, n + 1]``.
+
+    ``A = 1`` (``x``) for log_contrast, ``A = 2`` (``y``, ``y^2``) for variance.
+    """
+    g = chunk.to(torch.float32)
+    if variant == "log_contrast":
+        values = torch.log((g * g).to(torch.float64) + LOG_EPS).unsqueeze(0)
+    else:
+        y = g.to(torch.float64).square()
+        values = torch.stack((y, y * y))
+    prefix = torch.zeros(values.shape[0], values.shape[1] + 1, dtype=torch.float64,
+                         device=chunk.device)
+    torch.cumsum(values, dim=1, out=prefix[:, 1:])
+    return values, prefix
+
+
+@jit
+def _period_prefix_kernel(g_ptr, val_ptr, pre_ptr, tot_ptr, n, stride_a,
+                          LOG_CONTRAST: tl.constexpr, TILE: tl.constexpr):
+    """Transform one tile of a chunk and scan it in fp64.
+
+    g_ptr: ``[n]`` contiguous fp32/bf16/fp16 (converted to fp32). val_ptr: fp64 ``[stride_a]``,
+    written for LOG_CONTRAST only: ``x = ln(f32(g*g) + 1e-12)`` (the ``p = 1`` score needs the
+    values; Variant V rows are ``y = g^2`` in fp64 and ``y^2``). pre_ptr: fp64
+    ``[A, stride_a]``, the tile-local *inclusive* prefix of each row. tot_ptr: fp64
+    ``[A, num_tiles]``, each tile's total. TILE: elements per program (power of two). Offsets
+    are int64. Padding lanes contribute 0.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * TILE + tl.arange(0, TILE).to(tl.int64)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    num_tiles = tl.num_programs(0)
+    if LOG_CONTRAST:
+        sq = g * g
+        x = tl.log(sq.to(tl.float64) + 1e-12)
+        x = tl.where(mask, x, 0.0)
+        tl.store(val_ptr + offs, x, mask=mask)
+        px = tl.cumsum(x, axis=0)
+        tl.store(pre_ptr + offs, px, mask=mask)
+        tl.store(tot_ptr + pid, tl.sum(x, axis=0))
+    else:
+        g64 = g.to(tl.float64)
+        y = g64 * g64
+        y2 = y * y
+        tl.store(pre_ptr + offs, tl.cumsum(y, axis=0), mask=mask)
+        tl.store(pre_ptr + stride_a + offs, tl.cumsum(y2, axis=0), mask=mask)
+        tl.store(tot_ptr + pid, tl.sum(y, axis=0))
+        tl.store(tot_ptr + num_tiles + pid, tl.sum(y2, axis=0))
+
+
+def _transform_triton(chunk: Tensor, variant: str) -> tuple[Tensor, Tensor]:
+    """Triton twin of :func:`_transform_reference` (tile scans, then fp64 tile offsets)."""
+    if chunk.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        chunk = chunk.to(torch.float32)  # fp64 gradients: the transform starts from fp32 anyway
+    n = chunk.numel()
+    rows = 1 if variant == "log_contrast" else 2
+    num_tiles = triton.cdiv(n, _TILE)
+    padded = num_tiles * _TILE
+    values = torch.empty(1, padded if rows == 1 else 1, dtype=torch.float64,
+                         device=chunk.device)
+    prefix = torch.zeros(rows, padded + 1, dtype=torch.float64, device=chunk.device)
+    # The kernel writes the inclusive tile scans at [1 : padded + 1], i.e. the exclusive prefix.
+    scan = prefix[:, 1:]
+    totals = torch.empty(rows, num_tiles, dtype=torch.float64, device=chunk.device)
+    # One row stride for both outputs: the kernel indexes row 1 as base + stride_a.
+    scan_rows = torch.empty(rows, padded, dtype=torch.float64, device=chunk.device)
+    _period_prefix_kernel[(num_tiles,)](chunk, values, scan_rows, totals, n, padded,
+                                        LOG_CONTRAST=variant == "log_contrast", TILE=_TILE,
+                                        num_warps=4, **LAUNCH_OPTIONS)
+    offsets = torch.cumsum(totals, dim=1) - totals  # exclusive, fp64, in tile order
+    scan.copy_((scan_rows.view(rows, num_tiles, _TILE) + offsets.unsqueeze(2)).view(rows, -1))
+    return (values[:, :n] if rows == 1 else values), prefix[:, :n + 1]
+
+
+# --------------------------------------------------------------------------------------------
+# Scores from chunk-local prefix sums (shared by both paths)
+# --------------------------------------------------------------------------------------------
+def _host_to_device(values: list[int], device: torch.device) -> Tensor:
+    """int64 tensor on ``device`` without a blocking copy (a pageable copy would sync CUDA)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _scores(grad: Tensor, cands: list[int], variant: str, chunk: int,
+            transform: Callable[[Tensor, str], tuple[Tensor, Tensor]]) -> Tensor:
+    dev = grad.device
+    numel = grad.numel()
+    out = torch.empty(len(cands), dtype=torch.float64, device=dev)
+    if not cands:
+        return out
+    flat = grad.view(-1)
+    log_contrast = variant == "log_contrast"
+    has_one = cands[0] == 1
+    ps = cands[1:] if has_one else cands
+    k = len(ps)
+    rows = 1 if log_contrast else 2
+    p_int = _host_to_device(ps, dev)
+    p_flt = p_int.to(torch.float64)
+    # Per candidate: sums of the block left open by earlier chunks; (log_contrast) the sum of
+    # the last closed block and whether one exists; the running score sum.
+    open_sum = torch.zeros(rows, k, dtype=torch.float64, device=dev)
+    last_sum = torch.zeros(k, dtype=torch.float64, device=dev)
+    closed = torch.zeros(k, dtype=torch.bool, device=dev)
+    acc = torch.zeros(k, dtype=torch.float64, device=dev)
+    one_acc = torch.zeros((), dtype=torch.float64, device=dev)
+    one_last: Tensor | None = None
+    cand_ids = torch.arange(k, device=dev)
+
+    for start in range(0, numel, chunk):
+        n = min(chunk, numel - start)
+        values, prefix = transform(flat[start:start + n], variant)
+        total = prefix[:, n]
+        if has_one:
+            if log_contrast:
+                x = values[0]
+                one_acc = one_acc + (x[1:] - x[:-1]).abs().sum()
+                if one_last is not None:
+                    one_acc = one_acc + (x[0] - one_last).abs()
+                one_last = x[-1]
+            else:
+                one_acc = one_acc + total[0]
+        if k == 0:
+            continue
+        # Block ends in this chunk: the first at local offset p - start % p, then every p. The
+        # total is counted on the host (Python ints), the per-candidate values on the device.
+        n_ends = sum(0 if p - start % p > n else (n - p + start % p) // p + 1 for p in ps)
+        if n_ends == 0:
+            open_sum = open_sum + total.unsqueeze(1)
+            continue
+        first = p_int - torch.remainder(start, p_int)
+        cnt = torch.where(first > n, 0, torch.div(n - first, p_int, rounding_mode="floor") + 1)
+        seg_start = torch.cumsum(cnt, 0) - cnt
+        cid = torch.repeat_interleave(cand_ids, cnt, output_size=n_ends)
+        rank = torch.arange(n_ends, device=dev) - seg_start[cid]
+        p_of = p_int[cid]
+        pos = first[cid] + rank * p_of
+        is_first = rank == 0
+        here = prefix[:, pos]
+        before = prefix[:, (pos - p_of).clamp_(min=0)]
+        # Block sums of every block ending in this chunk; the first one adds the open part.
+        sums = torch.where(is_first, open_sum[:, cid] + here, here - before)
+        pf = p_flt[cid]
+        if log_contrast:
+            mean = sums[0] / pf
+            prev = torch.where(is_first, last_sum[cid] / pf, mean.roll(1))
+            term = torch.where(is_first & ~closed[cid], torch.zeros_like(mean),
+                               (mean - prev).abs())
+        else:
+            m1 = sums[0] / pf
+            term = (sums[1] / pf - m1 * m1).clamp_(min=0.0)
+        csum = torch.zeros(n_ends + 1, dtype=torch.float64, device=dev)
+        torch.cumsum(term, 0, out=csum[1:])
+        acc = acc + (csum[seg_start + cnt] - csum[seg_start])
+        has_end = cnt > 0
+        last = (seg_start + cnt - 1).clamp_(min=0)
+        last_pos = pos[last]
+        open_sum = torch.where(has_end, total.unsqueeze(1) - prefix[:, last_pos],
+                               open_sum + total.unsqueeze(1))
+        if log_contrast:
+            last_sum = torch.where(has_end, sums[0, last], last_sum)
+            closed = closed | has_end
+
+    blocks = numel / p_flt  # exact: p divides N
+    if log_contrast:
+        scores = acc / (blocks - 1.0)
+        one = one_acc / float(numel - 1)
+    else:
+        scores = torch.sqrt(acc / blocks)
+        one = 0.0 * one_acc  # E(1) = 0, NaN-propagating
+    if has_one:
+        out[0] = one
+        out[1:] = scores
+    else:
+        out.copy_(scores)
+    return out
+
+
+def period_scores_reference(grad: Tensor, candidates: Tensor, variant: str) -> Tensor:
+    """Scores of every candidate period, in one pass of chunked fp64 prefix sums.
+
+    Args:
+        grad: contiguous real float tensor (any float dtype; converted to fp32 first), ``N``
+            elements in logical row-major order; CPU or CUDA.
+        candidates: int64 ``[n]``, strictly ascending positive divisors of ``N`` (any device;
+            read on the host). For ``"log_contrast"`` each must leave at least 2 blocks.
+        variant: ``"log_contrast"`` (``S(p)``, §1.7.2) or ``"variance"`` (``E(p)``, §1.7.3).
+
+    Returns:
+        float64 ``[n]`` on ``grad``'s device; non-finite where ``grad`` is (module docstring).
+
+    Raises:
+        TypeError, ValueError: a non-float or non-contiguous ``grad``, a malformed candidate
+        tensor or value, or an unknown ``variant``.
+    """
+    _check_meta(grad, candidates, variant)
+    cands = _host_candidates(grad, candidates, variant)
+    return _scores(grad, cands, variant, _CHUNK_REFERENCE, _transform_reference)
+
+
+def period_scores_triton(grad: Tensor, candidates: Tensor, variant: str) -> Tensor:
+    """Triton twin of :func:`period_scores_reference` (same signature and meaning).
+
+    Raises:
+        ImportError: Triton is not installed (the message says how to get it).
+        ValueError: ``grad`` is not on a CUDA device (outside ``TRITON_INTERPRET=1``), or any
+            error of the reference.
+    """
+    _check_meta(grad, candidates, variant)
+    require_triton("period_scores (Triton path)")
+    check_device_for_triton(grad)
+    cands = _host_candidates(grad, candidates, variant)
+    return _scores(grad, cands, variant, _CHUNK_TRITON, _transform_triton)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom op: CUDA -> Triton (when available), everything else -> reference
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("gefen::period_scores", mutates_args=())
+def _period_scores_op(grad: Tensor, candidates: Tensor, variant: str) -> Tensor:
+    return period_scores_reference(grad, candidates, variant)
+
+
+@_period_scores_op.register_kernel("cuda")
+def _period_scores_cuda(grad: Tensor, candidates: Tensor, variant: str) -> Tensor:
+    if use_triton(grad):
+        return period_scores_triton(grad, candidates, variant)
+    return period_scores_reference(grad, candidates, variant)
+
+
+@_period_scores_op.register_fake
+def _period_scores_fake(grad: Tensor, candidates: Tensor, variant: str) -> Tensor:
+    return torch.empty(candidates.shape[0], dtype=torch.float64, device=grad.device)
+
+
+def period_scores(grad: Tensor, candidates: Tensor, variant: str) -> Tensor:
+    """Period scores through ``torch.ops.gefen.period_scores`` (CUDA: Triton when available).
+
+    Same arguments, result and errors as :func:`period_scores_reference`.
+    """
+    _check_meta(grad, candidates, variant)
+    return torch.ops.gefen.period_scores(grad, candidates, variant)

@@ -1,0 +1,412 @@
+"""factored_step reference (§1.11) against an independent float64 implementation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from kernels_inputs import (
+    assert_bitwise,
+    assert_within_one_ulp,
+    clone_state,
+    make_codebook,
+    random_state,
+    ulp,
+)
+from kernels_oracle import (
+    boundary_distance,
+    factored_stats64,
+    momentum64,
+    param_update64,
+    requantize64,
+)
+
+from gefen_kernels import _numerics
+from gefen_kernels.ops._step_kernels import launch_step
+from gefen_kernels.ops._step_ref import make_scalars
+from gefen_kernels.ops.factored_step import (
+    _ema,
+    _rbar_reciprocal,
+    _row_col_sums_triton,
+    factored_step,
+    factored_step_reference,
+    factored_step_triton,
+)
+
+BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
+
+
+def _hyper(step: int, lr: float = 1e-3, weight_decay: float = 0.0) -> dict[str, float]:
+    return dict(lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS,
+                bc1_recip=1.0 / (1.0 - BETA1**step), bc2_recip=1.0 / (1.0 - BETA2**step),
+                decay=1.0 - lr * weight_decay)
+
+
+def make_state(rows: int, cols: int, period: int, *, seed: int, fresh: bool = False):
+    st = random_state(rows * cols // period, period, seed=seed, fresh=fresh)
+    del st["exp_avg_sq"]
+    gen = torch.Generator().manual_seed(seed + 1)
+    if fresh:
+        st["row"], st["col"] = torch.zeros(rows), torch.zeros(cols)
+    else:
+        st["row"] = torch.rand(rows, generator=gen) * 1e-3
+        st["col"] = torch.rand(cols, generator=gen) * 1e-3
+    return st
+
+
+def run(param, grad, st, cb, **kw):
+    factored_step_reference(param, grad, st["codes"], st["scale"], st["row"], st["col"], cb, **kw)
+
+
+def check_against_float64(param, grad, st, cb, *, step=3, lr=1e-3, weight_decay=0.0,
+                          maximize=False, impl=run) -> None:
+    """Same rules as the block-mode comparison (see test_block_step.check_against_float64)."""
+    hp = _hyper(step, lr, weight_decay)
+    rows, cols = param.shape
+    num_blocks, period = st["codes"].shape
+    fp64 = param.dtype == torch.float64
+    b1 = BETA1 if fp64 else float(np.float32(BETA1))
+    b2 = BETA2 if fp64 else float(np.float32(BETA2))
+    cb64 = cb.double().numpy()
+    g = grad.double().numpy() * (-1.0 if maximize else 1.0)
+    r_new, k_new, big_v = factored_stats64(g, st["row"].double().numpy(),
+                                           st["col"].double().numpy(), beta2=b2)
+    sigma = hp["bc1_recip"] / (np.sqrt(big_v * hp["bc2_recip"]) + EPS)
+    gb = g.reshape(num_blocks, period)
+    m = momentum64(gb, st["codes"].long().numpy(), st["scale"].double().numpy(), cb64, b1)
+    s_new, z, q64 = requantize64(m, cb64)
+    terms = b1 * st["scale"].double().numpy() + (1 - b1) * np.abs(gb).max(1, keepdims=True)
+    p_dec = param.double().numpy().reshape(num_blocks, period) * hp["decay"]
+    before = param.clone()
+    impl(param, grad, st, cb, maximize=maximize, **hp)
+    np.testing.assert_allclose(st["row"].double().numpy(), r_new, rtol=2e-6, atol=1e-30)
+    np.testing.assert_allclose(st["col"].double().numpy(), k_new, rtol=2e-6, atol=1e-30)
+    assert np.all(np.abs(st["scale"].double().numpy() - s_new) <= 1e-6 * terms + 1e-30)
+    q = st["codes"].long().numpy()
+    margin = 1e-6 * (1.0 + terms / np.where(s_new > 0, s_new, 1.0))
+    near = boundary_distance(z, cb64) <= margin
+    assert np.array_equal(q[~near], q64[~near])
+    assert np.all(np.abs(q[near] - q64[near]) <= 1)
+    mhat = (cb64[q] * s_new).reshape(rows, cols)
+    mhat = np.where(big_v == 0, 0.0, mhat)  # zero-V policy (see gefen_kernels._numerics)
+    p64 = param_update64(p_dec.reshape(rows, cols), mhat, sigma, lr)
+    u = lr * sigma * np.abs(mhat)
+    tol = (ulp(p64, param.dtype) * (2.0 if param.dtype == torch.float32 else 1.0) + 1e-5 * u
+           + lr * sigma * 2e-6 * np.repeat(terms, period, axis=1).reshape(rows, cols))
+    got = param.double().numpy()
+    assert np.all(np.abs(got - p64) <= tol), np.max(np.abs(got - p64) - tol)
+    if lr == 0:
+        assert torch.equal(param, before)
+
+
+SHAPES = [(1, 1, 1), (1, 4097, 4097), (4097, 1, 1), (7, 13, 7), (13, 7, 91), (8, 128, 64),
+          (16, 96, 1), (6, 1024, 2048), (4, 4096, 4096), (2, 8192, 16384), (31, 33, 3)]
+
+
+@pytest.mark.parametrize("rows,cols,period", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_float64(rows: int, cols: int, period: int, dtype: torch.dtype) -> None:
+    seed = rows * 7 + cols + period
+    gen = torch.Generator().manual_seed(seed)
+    param = torch.randn(rows, cols, generator=gen).to(dtype)
+    grad = (torch.randn(rows, cols, generator=gen) * 0.05).to(dtype)
+    check_against_float64(param, grad, make_state(rows, cols, period, seed=seed),
+                          make_codebook(seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_several_steps_from_fresh_state(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    param = torch.randn(12, 40, generator=gen, dtype=dtype)
+    st = make_state(12, 40, 20, seed=1, fresh=True)
+    cb = make_codebook(1)
+    for step in range(1, 6):
+        grad = torch.randn(12, 40, generator=gen, dtype=dtype) * 0.1
+        check_against_float64(param, grad, st, cb, step=step, weight_decay=0.1,
+                              maximize=step % 2 == 0)
+
+
+@pytest.mark.parametrize("period", [1, 8, 24, 96])
+def test_all_zero_rows_and_columns_do_not_drift(period: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    rows, cols = 8, 24
+    param = torch.randn(rows, cols, generator=gen)
+    before = param.clone()
+    st = make_state(rows, cols, period, seed=2, fresh=True)
+    cb = make_codebook(2)
+    for step in range(1, 12):
+        grad = torch.randn(rows, cols, generator=gen)
+        grad[2] = 0.0
+        grad[:, 5] = 0.0
+        grad[:, 17] = 0.0
+        factored_step_reference(param, grad, st["codes"], st["scale"], st["row"], st["col"], cb,
+                                **_hyper(step, lr=1e-2))
+    assert torch.equal(param[2], before[2])
+    assert torch.equal(param[:, 5], before[:, 5]) and torch.equal(param[:, 17], before[:, 17])
+    assert st["row"][2] == 0 and st["col"][5] == 0 and st["col"][17] == 0
+    moved = (param != before).float().mean()
+    assert moved > 0.5  # everything else trains
+
+
+@pytest.mark.parametrize("chunk", [50, 200, 1000])
+def test_chunking(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    param = torch.randn(20, 300, generator=gen)
+    grad = torch.randn(20, 300, generator=gen)
+    cb = make_codebook(3)
+    whole_p, whole = param.clone(), make_state(20, 300, 600, seed=3)
+    run(whole_p, grad, whole, cb, stochastic_round=True, seed=11, **_hyper(2))
+    monkeypatch.setattr(_numerics, "CHUNK_ELEMENTS", chunk)
+    part_p, part = param.clone(), make_state(20, 300, 600, seed=3)
+    run(part_p, grad, part, cb, stochastic_round=True, seed=11, **_hyper(2))
+    assert torch.equal(part["codes"], whole["codes"])
+    assert torch.equal(part["scale"], whole["scale"])
+    torch.testing.assert_close(part["row"], whole["row"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(part["col"], whole["col"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(part_p, whole_p, rtol=1e-6, atol=1e-7)
+    check_against_float64(param.clone(), grad, make_state(20, 300, 600, seed=3), cb)
+
+
+def test_lr_zero_hyper_and_seed_tensor() -> None:
+    gen = torch.Generator().manual_seed(4)
+    param = torch.randn(10, 12, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(10, 12, generator=gen)
+    cb = make_codebook(4)
+    before = param.clone()
+    run(param, grad, make_state(10, 12, 6, seed=4), cb, **_hyper(2, lr=0.0, weight_decay=0.5))
+    assert torch.equal(param, before)
+    hp = _hyper(3, 3e-3, 0.01)
+    hyper = torch.tensor([hp["lr"], hp["bc2_recip"], hp["bc1_recip"], hp["decay"]])
+    a_p, b_p = param.clone(), param.clone()
+    a, b = make_state(10, 12, 6, seed=4), make_state(10, 12, 6, seed=4)
+    run(a_p, grad, a, cb, stochastic_round=True, seed=2**62, **hp)
+    run(b_p, grad, b, cb, stochastic_round=True, hyper=hyper,
+        seed_tensor=torch.tensor([2**62]), **{**hp, "lr": 5.0})
+    assert torch.equal(a_p, b_p)
+    for key in a:
+        assert torch.equal(a[key], b[key])
+
+
+def test_zero_size_and_errors() -> None:
+    cb = make_codebook(5)
+    st = make_state(0, 5, 5, seed=5)
+    run(torch.empty(0, 5), torch.empty(0, 5), st, cb, **_hyper(1))
+    param = torch.randn(4, 6)
+    st = make_state(4, 6, 6, seed=5)
+    snapshot = [param.clone()] + [t.clone() for t in st.values()]
+    with pytest.raises(ValueError, match="2-D"):
+        factored_step_reference(param.view(-1), torch.randn(24), st["codes"], st["scale"],
+                                st["row"], st["col"], cb, **_hyper(1))
+    with pytest.raises(ValueError, match="exp_avg_sq_col must have shape"):
+        factored_step_reference(param, torch.randn(4, 6), st["codes"], st["scale"],
+                                st["row"], torch.zeros(4), cb, **_hyper(1))
+    with pytest.raises(ValueError, match="grad shape"):
+        factored_step_reference(param, torch.randn(6, 4), st["codes"], st["scale"],
+                                st["row"], st["col"], cb, **_hyper(1))
+    for before, after in zip(snapshot, [param] + list(st.values())):
+        assert torch.equal(before, after)
+
+
+def test_nan_gradient_propagates() -> None:
+    gen = torch.Generator().manual_seed(6)
+    param = torch.randn(4, 8, generator=gen)
+    grad = torch.randn(4, 8, generator=gen)
+    grad[1, 3] = float("nan")
+    st = make_state(4, 8, 8, seed=6)
+    run(param, grad, st, make_codebook(6), **_hyper(2))
+    assert torch.isnan(st["row"][1]) and torch.isnan(st["col"][3])
+    assert torch.isnan(param[1]).all() and torch.isnan(param[:, 3]).all()
+    assert not math.isfinite(st["scale"][1].item())
+
+
+# --------------------------------------------------------------------------------------------
+# Triton path vs reference: codes and scales bit-identical (same operations in the same order;
+# the block max is order-independent); r and k may differ by fp32 ulps (the kernel reduces the
+# sums of squares in another order), and the parameters by at most one ulp of their dtype.
+# --------------------------------------------------------------------------------------------
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _triton_with_route(param, grad, st, cb, route, split_elements=16384, loop_tile=2048, **hp):
+    rows, cols = param.shape
+    sc = make_scalars(dtype=torch.float32, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
+                      eps=hp["eps"], bc1_recip=hp["bc1_recip"], bc2=hp["bc2_recip"],
+                      decay=hp["decay"], hyper=None)
+    row_sum, col_sum = _row_col_sums_triton(grad)
+    st["row"].copy_(_ema(st["row"], row_sum, 1.0 / cols, sc))
+    st["col"].copy_(_ema(st["col"], col_sum, 1.0 / rows, sc))
+    launch_step(param, grad, st["codes"], st["scale"], exp_avg_sq=None, row=st["row"],
+                col=st["col"], inv_rbar=_rbar_reciprocal(st["row"], rows).view(1), ncols=cols,
+                codebook=cb, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
+                bc1_recip=hp["bc1_recip"], bc2=hp["bc2_recip"], decay=hp["decay"],
+                maximize=hp.get("maximize", False),
+                stochastic_round=hp.get("stochastic_round", False), seed=hp.get("seed", 0),
+                hyper=None, seed_tensor=None, route=route, split_elements=split_elements,
+                loop_tile=loop_tile)
+
+
+def _pair(param, grad, st, cb, *, route=None, split_elements=16384, loop_tile=2048, **kw):
+    hp = {**_hyper(3, 1e-3, 0.01), **kw}
+    ref_p, ref = param.clone(), clone_state(st)
+    run(ref_p, grad, ref, cb, **hp)
+    tri_p, tri = param.clone(), clone_state(st)
+    if route is None:
+        factored_step_triton(tri_p, grad, tri["codes"], tri["scale"], tri["row"], tri["col"],
+                             cb, **hp)
+    else:
+        _triton_with_route(tri_p, grad, tri, cb, route, split_elements, loop_tile, **hp)
+    assert_bitwise(tri["codes"], ref["codes"], "codes")
+    assert_bitwise(tri["scale"], ref["scale"], "scale")
+    torch.testing.assert_close(tri["row"], ref["row"], rtol=4e-7, atol=0, equal_nan=True)
+    torch.testing.assert_close(tri["col"], ref["col"], rtol=4e-7, atol=0, equal_nan=True)
+    assert_within_one_ulp(tri_p, ref_p, "param", before=param)
+    return tri_p
+
+
+PARITY = [(1, 1, 1), (7, 13, 7), (64, 96, 32), (1, 4097, 4097), (4097, 1, 1), (31, 33, 3),
+          (16, 1024, 2048), (5, 300, 1500)]
+
+
+@pytest.mark.parametrize("rows,cols,period", PARITY)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_matches_reference(rows: int, cols: int, period: int, dtype: torch.dtype) -> None:
+    dev = _device()
+    gen = torch.Generator().manual_seed(rows + cols + period)
+    param = torch.randn(rows, cols, generator=gen).to(dtype).to(dev)
+    grad = (torch.randn(rows, cols, generator=gen) * 0.05).to(dtype).to(dev)
+    st = {k: v.to(dev) for k, v in make_state(rows, cols, period, seed=period).items()}
+    _pair(param, grad, st, make_codebook(period).to(dev))
+
+
+@pytest.mark.parametrize("route,rows,cols,period,split,tile", [
+    ("loop", 3, 5003, 5003, 16384, 2048),
+    ("split", 2, 4099, 4099, 2048, 1024),
+    ("split", 4, 250, 500, 256, 128),
+])
+def test_triton_every_route(route, rows, cols, period, split, tile) -> None:
+    dev = _device()
+    gen = torch.Generator().manual_seed(cols)
+    param = torch.randn(rows, cols, generator=gen).to(torch.bfloat16).to(dev)
+    grad = torch.randn(rows, cols, generator=gen).to(dev)
+    st = {k: v.to(dev) for k, v in make_state(rows, cols, period, seed=3).items()}
+    cb = make_codebook(3).to(dev)
+    _pair(param, grad, st, cb, route=route, split_elements=split, loop_tile=tile)
+    _pair(param, grad, st, cb, route=route, split_elements=split, loop_tile=tile,
+          stochastic_round=True, seed=77, maximize=True)
+
+
+def test_triton_zero_rows_columns_hyper_and_nan() -> None:
+    dev = _device()
+    gen = torch.Generator().manual_seed(8)
+    rows, cols = 24, 40
+    param = torch.randn(rows, cols, generator=gen).to(dev)
+    st = {k: v.to(dev) for k, v in make_state(rows, cols, 20, seed=8, fresh=True).items()}
+    cb = make_codebook(8).to(dev)
+    before = param.clone()
+    for step in range(1, 4):
+        grad = torch.randn(rows, cols, generator=gen).to(dev)
+        grad[3] = 0.0
+        grad[:, 7] = 0.0
+        hp = _hyper(step, 1e-2)
+        hyper = torch.tensor([hp["lr"], hp["bc2_recip"], hp["bc1_recip"], hp["decay"]],
+                             device=dev)
+        new_p = _pair(param, grad, st, cb, stochastic_round=True, hyper=hyper,
+                      seed_tensor=torch.tensor([step], device=dev), **hp)
+        factored_step_triton(param, grad, st["codes"], st["scale"], st["row"], st["col"], cb,
+                             stochastic_round=True, hyper=hyper,
+                             seed_tensor=torch.tensor([step], device=dev), **hp)
+        assert_bitwise(param, new_p, "param")
+    assert torch.equal(param[3], before[3]) and torch.equal(param[:, 7], before[:, 7])
+    grad = torch.randn(rows, cols, generator=gen).to(dev)
+    grad[5, 5] = float("nan")
+    _pair(param, grad, st, cb)
+    _pair(param, grad, st, cb, lr=0.0)
+
+
+def test_public_op_on_cpu() -> None:
+    gen = torch.Generator().manual_seed(9)
+    param = torch.randn(6, 10, generator=gen)
+    grad = torch.randn(6, 10, generator=gen)
+    cb = make_codebook(9)
+    a_p, a = param.clone(), make_state(6, 10, 5, seed=9)
+    b_p, b = param.clone(), make_state(6, 10, 5, seed=9)
+    factored_step(a_p, grad, a["codes"], a["scale"], a["row"], a["col"], cb, **_hyper(2))
+    run(b_p, grad, b, cb, **_hyper(2))
+    assert torch.equal(a_p, b_p) and all(torch.equal(a[k], b[k]) for k in a)
+    torch.library.opcheck(
+        torch.ops.gefen.factored_step.default,
+        (param.clone(), grad, a["codes"].clone(), a["scale"].clone(), a["row"].clone(),
+         a["col"].clone(), cb, None, None, 1e-3, 0.9, 0.999, 1e-8, 2.0, 3.0, 1.0, False, False,
+         0), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,cols,period,route", [
+    (8192, 8192, 8192, None), (8192, 8192, 2048, None), (4096, 16384, 4096, None),
+    (65536, 1024, 1, None), (2, 1 << 25, 1 << 25, "split"), (16384, 4096, 16384, "loop"),
+])
+def test_triton_matches_reference_large_gpu(rows, cols, period, route) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    param = torch.randn(rows, cols, device="cuda", generator=gen).to(torch.bfloat16)
+    grad = torch.randn(rows, cols, device="cuda", generator=gen).to(torch.bfloat16)
+    grad[7] = 0.0
+    grad[:, 3] = 0.0
+    b = rows * cols // period
+    st = {"codes": torch.randint(0, 256, (b, period), device="cuda", dtype=torch.uint8,
+                                 generator=gen),
+          "scale": torch.rand(b, 1, device="cuda", generator=gen) * 0.1,
+          "row": torch.rand(rows, device="cuda", generator=gen) * 1e-3,
+          "col": torch.rand(cols, device="cuda", generator=gen) * 1e-3}
+    cb = make_codebook(1).cuda()
+    _pair(param, grad, st, cb, route=route)
+    _pair(param, grad, st, cb, route=route, stochastic_round=True, seed=5)
+
+
+@pytest.mark.gpu
+def test_compile_and_cuda_graph_gpu() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    rows, cols = 512, 768
+    param = torch.randn(rows, cols, device="cuda", generator=gen).to(torch.bfloat16)
+    grad = torch.randn(rows, cols, device="cuda", generator=gen).to(torch.bfloat16)
+    cb = make_codebook(10).cuda()
+    st = {k: v.cuda() for k, v in make_state(rows, cols, 768, seed=10).items()}
+    hyper = torch.tensor([1e-3, 1.5, 2.0, 0.9999], device="cuda")
+    seed_t = torch.tensor([3], device="cuda")
+    kw = dict(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, bc1_recip=0.0, bc2_recip=0.0,
+              decay=1.0, stochastic_round=True, hyper=hyper, seed_tensor=seed_t)
+
+    @torch.compile(fullgraph=True)
+    def step(p, g, q, s, r, k):
+        factored_step(p, g, q, s, r, k, cb, **kw)
+
+    a_p, a = param.clone(), clone_state(st)
+    step(a_p, grad, a["codes"], a["scale"], a["row"], a["col"])
+    b_p, b = param.clone(), clone_state(st)
+    factored_step_triton(b_p, grad, b["codes"], b["scale"], b["row"], b["col"], cb, **kw)
+    assert torch.equal(a_p, b_p) and all(torch.equal(a[k], b[k]) for k in a)
+
+    live_p, live = param.clone(), clone_state(st)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        w_p, w = param.clone(), clone_state(st)
+        factored_step(w_p, grad, w["codes"], w["scale"], w["row"], w["col"], cb, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        factored_step(live_p, grad, live["codes"], live["scale"], live["row"], live["col"], cb,
+                      **kw)
+    ref_p, ref = param.clone(), clone_state(st)
+    for lr, seed in [(1e-3, 3), (3e-3, 4)]:
+        hyper[0] = lr
+        seed_t.fill_(seed)
+        graph.replay()
+        factored_step_triton(ref_p, grad, ref["codes"], ref["scale"], ref["row"], ref["col"],
+                             cb, **{**kw, "hyper": hyper.clone(), "seed_tensor": seed_t.clone()})
+    torch.cuda.synchronize()
+    assert torch.equal(live_p, ref_p) and all(torch.equal(live[k], ref[k]) for k in ref)

@@ -1,0 +1,115 @@
+"""histogram reference (§1.8.2): exact counts against a naive per-block loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kernels_oracle import histogram_naive
+
+from gefen_kernels import _numerics
+from gefen_kernels.ops.histogram import histogram, histogram_reference, histogram_triton
+
+CASES = [(1, 1), (4097, 1), (4097, 4097), (8191, 1), (2 * 7, 7), (64 * 5, 64), (1024 * 3, 1024),
+         (2048 * 2, 2048), (4096 * 2, 4096), (8192 * 3, 8192), (65521, 65521)]
+
+
+@pytest.mark.parametrize("numel,period", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_counts_match_naive_loop(numel: int, period: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(numel + period)
+    scales = torch.exp(torch.randn(numel // period, 1, generator=gen) * 2)
+    g = (torch.randn(numel // period, period, generator=gen) * scales).reshape(-1).to(dtype)
+    counts = histogram_reference(g, period)
+    assert counts.dtype == torch.int64 and counts.shape == (4096,)
+    assert np.array_equal(counts.numpy(), histogram_naive(g.float().numpy(), period))
+    assert int(counts.sum()) == numel
+
+
+def test_landmarks_and_zero_blocks() -> None:
+    g = torch.tensor([-2.0, 2.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    counts = histogram_reference(g, 4)
+    assert counts[0] == 1 and counts[4095] == 1  # -1 -> bin 0, +1 -> bin 4095
+    assert counts[2048] == 5  # zeros, including the all-zero block
+    assert counts[3072] == 1  # 0.5 -> floor(1.5 * 2048)
+    assert int(counts.sum()) == 8
+
+
+def test_non_finite_blocks_are_skipped() -> None:
+    g = torch.randn(4, 16)
+    g[1, 2] = float("nan")
+    g[3, 0] = float("inf")
+    counts = histogram_reference(g.reshape(-1), 16)
+    assert int(counts.sum()) == 32
+    assert np.array_equal(counts.numpy(), histogram_naive(g.numpy(), 16))
+
+
+@pytest.mark.parametrize("period,chunk", [(7, 20), (1000, 300), (5, 5)])
+def test_chunked_equals_whole(monkeypatch: pytest.MonkeyPatch, period: int, chunk: int) -> None:
+    g = torch.randn(period * 9)
+    whole = histogram_reference(g, period)
+    monkeypatch.setattr(_numerics, "CHUNK_ELEMENTS", chunk)
+    assert torch.equal(histogram_reference(g, period), whole)
+
+
+def test_empty_and_errors() -> None:
+    assert torch.equal(histogram_reference(torch.empty(0), 3), torch.zeros(4096, dtype=torch.long))
+    with pytest.raises(ValueError, match="does not divide"):
+        histogram_reference(torch.zeros(10), 3)
+    with pytest.raises(ValueError, match="period"):
+        histogram_reference(torch.zeros(10), 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        histogram_reference(torch.zeros(10, 2).t(), 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel vs reference: integer counts, so exactly equal on every route.
+# --------------------------------------------------------------------------------------------
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("numel,period", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_matches_reference(numel: int, period: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(numel)
+    scales = torch.exp(torch.randn(numel // period, 1, generator=gen) * 2)
+    g = (torch.randn(numel // period, period, generator=gen) * scales).reshape(-1).to(dtype)
+    if numel > 3 * period:
+        g[period + 1] = float("nan")
+        g[2 * period] = float("inf")
+    g = g.to(_device())
+    assert torch.equal(histogram_triton(g, period), histogram_reference(g, period))
+
+
+@pytest.mark.parametrize("period,split", [(1000, 256), (4099, 1024), (7, 2)])
+def test_triton_split_route(period: int, split: int) -> None:
+    g = torch.randn(period * 3, generator=torch.Generator().manual_seed(period))
+    g[period + 5] = float("nan")
+    g = g.to(_device())
+    assert torch.equal(histogram_triton(g, period, _route="split", _split_elements=split),
+                       histogram_reference(g, period))
+
+
+def test_public_op() -> None:
+    g = torch.randn(640)
+    assert torch.equal(histogram(g, 64), histogram_reference(g, 64))
+    torch.library.opcheck(torch.ops.gefen.histogram.default, (g, 64),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("period", [1, 7 * 64, 2048, 4096, 1 << 16, 1 << 26])
+def test_triton_matches_reference_large_gpu(period: int) -> None:
+    n = (1 << 26) // period * period
+    g = torch.randn(n, device="cuda").to(torch.bfloat16)
+    assert torch.equal(histogram(g, period), histogram_reference(g, period))
+
+
+@pytest.mark.gpu
+def test_compile_fullgraph_gpu() -> None:
+    g = torch.randn(4096 * 8, device="cuda")
+    fn = torch.compile(lambda t: histogram(t * 2.0, 4096), fullgraph=True)
+    assert torch.equal(fn(g), histogram_reference(g * 2.0, 4096))

@@ -428,7 +428,7 @@ def demo(session: nox.Session) -> None:
     out = ROOT / "out" / "demo"
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    env.run(session, "gefen-bench", "train", "--out", str(out), *session.posargs)
+    env.run(session, str(env.bin / "gefen-bench"), "train", "--out", str(out), *session.posargs)
     made = sorted(p for p in out.rglob("*") if p.suffix in {".json", ".png"})
     if not made:
         session.error(f"gefen-bench train wrote no JSON/PNG report under {out}")

@@ -140,7 +140,9 @@ def test_harness_kills_ranks_past_the_deadline():
     start = time.monotonic()
     with pytest.raises(DistributedTimeoutError) as info:
         run_distributed(_sleeper, 2, timeout=12.0, collective_timeout=5.0)
-    assert info.value.missing == [0]
+    # Rank 0 sleeps past the deadline (rank 1 normally reports; on a saturated machine its
+    # start-up alone may exceed the deadline too).
+    assert 0 in info.value.missing
     assert time.monotonic() - start < 40.0
 
 

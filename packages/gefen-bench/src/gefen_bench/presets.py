@@ -49,7 +49,7 @@ class DigitsConfig:
     channels: int = 16
     hidden: int = 64
     epochs: int = 10
-    batch: int = 32
+    batch: int = 64
     seeds: tuple[int, ...] = (0, 1, 2)
     adamw_lr: float = 3e-3
     weight_decay: float = 0.01
@@ -70,8 +70,8 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset("cpu-default",
-               "embedded default: 0.85M-param byte-level Llama (4 layers, d=128, seq 128, 300 steps of 16 windows) "
-               "+ digits CNN, 3 seeds; CPU, no download",
+               "embedded default: 0.85M-param byte-level Llama (4 layers, d=128, seq 128, "
+               "300 steps of 16 windows) + digits CNN, 3 seeds; CPU, no download",
                LMConfig(), DigitsConfig()),
         Preset("tiny", "smoke test: a few steps of a 2-layer d=32 model",
                LMConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -173,6 +173,11 @@ def _smooth(values: Sequence[float], weight: float = 0.95) -> list[float]:
     return out
 
 
+def _legend(ax: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
 def plot_train(path: Path, lm: dict[str, dict[str, Any]], digits: dict[str, dict[str, Any]],
                title: str) -> Path:
     """PNG: LM train/held-out loss curves, digits held-out loss, and bars of peak memory,
@@ -190,14 +195,14 @@ def plot_train(path: Path, lm: dict[str, dict[str, Any]], digits: dict[str, dict
         ax.plot(range(1, len(r["train_loss"]) + 1), _smooth(r["train_loss"]),
                 label=f"{n} (lr {r['lr']:.2g})", color=colours[n])
     ax.set(title="byte-level LM: train loss (EMA 0.95)", xlabel="step", ylabel="nats/byte")
-    ax.legend(fontsize=8)
+    _legend(ax)
     ax = axes[0][1]
     for n, r in lm.items():
         if r["eval_loss"]:
             s, v = zip(*r["eval_loss"])
             ax.plot(s, v, marker="o", label=n, color=colours[n])
     ax.set(title="byte-level LM: held-out loss", xlabel="step", ylabel="nats/byte")
-    ax.legend(fontsize=8)
+    _legend(ax)
     ax = axes[0][2]
     for n, r in digits.items():
         curves = [run["eval_curve"] for run in r["runs"]]
@@ -207,7 +212,7 @@ def plot_train(path: Path, lm: dict[str, dict[str, Any]], digits: dict[str, dict
                 color=colours[n])
     ax.set(title="digits CNN: held-out loss (mean of seeds)", xlabel="epoch", ylabel="loss")
     ax.set_yscale("log")
-    ax.legend(fontsize=8)
+    _legend(ax)
 
     def bars(ax: Any, values: dict[str, float], title: str, unit: str) -> None:
         keys = list(values)

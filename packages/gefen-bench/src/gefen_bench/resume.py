@@ -23,8 +23,8 @@ bit-identical weights and optimizer state (one SHA-256 over all of them).
 
 ``--break drop_codebook`` removes the learned codebook from the checkpoint's ``optimizer.pt``
 (the resume must then fail: a code tensor without its codebook means nothing) and
-``--break flip_code`` changes one momentum code (the resume loads, and the comparison must
-catch it). They exist to show the gate can fail.
+``--break flip_code`` moves one momentum code to the other end of the codebook (the resume
+loads, and the comparison must catch it). They exist to show the gate can fail.
 
 Run it as ``gefen-bench resume [--recipes gefen,muon_adamw,muon_gefen] [--world-size 2]
 [--device cuda --bf16]``; the exit status is 1 when any recipe fails.
@@ -223,10 +223,18 @@ def _break_checkpoint(ckpt: Path, how: str) -> str:
         h = gefen_halves[0]
         for i in sorted(h["state"]):
             codes = h["state"][i].get("exp_avg_codes")
-            if isinstance(codes, torch.Tensor) and codes.numel():
-                flat = codes.view(-1)
-                flat[0] = (int(flat[0]) + 1) % 256
-                done = f"changed one momentum code of state entry {i}"
+            scale = h["state"][i].get("exp_avg_scale")
+            if not isinstance(codes, torch.Tensor) or not isinstance(scale, torch.Tensor):
+                continue
+            # A code in a block of scale 0 means 0 whatever its value: pick a live block. Move
+            # the code to the opposite end of the codebook: a one-level nudge can vanish in the
+            # next step's re-quantization, a sign flip of one momentum element cannot.
+            live = (scale.view(-1) > 0).nonzero()
+            if live.numel():
+                b = int(live[0])
+                q = int(codes[b, 0])
+                codes[b, 0] = 0 if q >= 128 else 255
+                done = f"changed one momentum code of state entry {i} (block {b})"
                 break
         else:
             raise RuntimeError("--break flip_code: no momentum codes in the checkpoint")
@@ -327,6 +335,10 @@ def _train_once(recipe: str, o: argparse.Namespace, out: Path, world_size: int, 
         checks.append("the Trainer did not use the optimizer passed in optimizers=")
     live = trainer.model_wrapped if hasattr(trainer, "model_wrapped") else trainer.model
     module = getattr(live, "module", live)
+    if world_size > 1 and (trainer.args.world_size != world_size or not isinstance(
+            live, torch.nn.parallel.DistributedDataParallel)):
+        checks.append(f"the Trainer did not train with DDP over {world_size} ranks "
+                      f"(args.world_size={trainer.args.world_size}, {type(live).__name__})")
     ids = [id(p) for g in opt.param_groups for p in g["params"]]
     trainable = {id(p) for p in module.parameters() if p.requires_grad}
     if len(ids) != len(set(ids)):
@@ -454,7 +466,7 @@ def run_gate(recipes: Sequence[str], o: argparse.Namespace,
                                    collective_timeout=o.timeout * 0.8,
                                    env={"CUDA_VISIBLE_DEVICES": ""} if o.device == "cpu" else {})
     results = []
-    for i, recipe in enumerate(recipes):
+    for i in range(len(recipes)):
         ranks = [GateResult(**rank_out[i]) for rank_out in per_rank]
         head = ranks[0]
         for other in ranks[1:]:

@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import optimizers as registry
-from .jobs import JobOutcome, run_job
+from .jobs import JobOutcome, run_job, run_jobs
 from .measure import resolve_device
 from .presets import PRESETS, Preset, as_dict, get_preset, with_overrides
 from .report import console, fmt, mib, plot_train, print_table, write_json
@@ -110,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--target: gefen-x=DIR (0.5.x) or gefen=DIR (1.2.x)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per worker process (default: torch's choice)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes at once (default 1; with more, throughput "
+                             "figures share the CPU and only loss/memory/state compare)")
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds before one optimizer's run is killed (default 3600)")
     parser.add_argument("--out", type=Path, default=Path("gefen-bench-out/train"),
@@ -127,7 +130,7 @@ def _check_args(args: argparse.Namespace) -> tuple[Preset, list[str], list[str],
         if args.tasks and "digits" in tasks:
             raise argparse.ArgumentTypeError(f"--preset {preset.name} has no digits task")
         tasks = [t for t in tasks if t != "digits"]
-    for flag in ("steps", "epochs", "threads"):
+    for flag in ("steps", "epochs", "threads", "jobs"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise argparse.ArgumentTypeError(f"--{flag} must be >= 1, got {value}")
@@ -330,24 +333,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                           targets, bars)
                     lrs[t][n] = sweeps[t][n]["best_lr"]
                     lr_source[t][n] = "--lr-sweep"
-        for t in tasks:
-            for n in runnable:
-                out = _run(_job(t, n, lrs[t][n], configs[t], args, device, targets),
-                           bars, args)
-                wall[f"{t}/{n}"] = out.wall_s
-                if out.status == "ok" and out.result is not None:
-                    out.result["lr_source"] = lr_source[t][n]
-                    out.result["process_wall_s"] = out.wall_s
-                    results[t][n] = out.result
-                else:
-                    failed[f"{t}/{n}"] = f"{out.status}: {out.error}"
-                    if out.stderr_tail:
-                        console.print(f"[red]{t}/{n} {out.status}[/red]: "
-                                      + escape(f"{out.error}\n{out.stderr_tail[-2000:]}"))
+        pairs = [(t, n) for t in tasks for n in runnable]
+        if args.jobs > 1:
+            outcomes = run_jobs([_job(t, n, lrs[t][n], configs[t], args, device, targets)
+                                 for t, n in pairs], parallel=args.jobs, on_event=bars,
+                                timeout_s=args.timeout, threads=args.threads)
+        for k, (t, n) in enumerate(pairs):
+            out = (outcomes[k] if args.jobs > 1 else
+                   _run(_job(t, n, lrs[t][n], configs[t], args, device, targets), bars, args))
+            wall[f"{t}/{n}"] = out.wall_s
+            if out.status == "ok" and out.result is not None:
+                out.result["lr_source"] = lr_source[t][n]
+                out.result["process_wall_s"] = out.wall_s
+                results[t][n] = out.result
+            else:
+                failed[f"{t}/{n}"] = f"{out.status}: {out.error}"
+                if out.stderr_tail:
+                    console.print(f"[red]{t}/{n} {out.status}[/red]: "
+                                  + escape(f"{out.error}\n{out.stderr_tail[-2000:]}"))
+            # Written after every run, so an interrupted invocation keeps what finished.
+            write_json(args.out / "train.json", "train",
+                       {"complete": False, "preset": preset.name, "device": device,
+                        "lr": lrs, "lr_source": lr_source, "skipped": skipped,
+                        "failed": failed, "results": results},
+                       seeds=[args.seed, args.data_seed], argv=getattr(args, "argv", None))
     total_wall = time.perf_counter() - start
     verdicts = _verdicts(results)
     _print_tables(results, skipped, failed, verdicts)
     report = {
+        "complete": True,
         "preset": preset.name,
         "device": device,
         "tasks": {t: {"config": configs[t]} for t in tasks},
@@ -361,6 +375,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": results,
         "verdicts": verdicts,
         "wall_s": {"total": total_wall, "per_process": wall},
+        "parallel_jobs": args.jobs,
+        "threads_per_job": args.threads,
     }
     out_dir: Path = args.out
     json_path = write_json(out_dir / "train.json", "train", report,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import traceback
 from collections.abc import Callable
@@ -55,6 +56,10 @@ def main() -> int:
 
             job["external_version"] = load_external_gefen(target)
         result = _job_function(job["kind"])(job, emit)
+        # CPU seconds this process used: with the wall time, it shows when a run was slowed
+        # by other work on the machine.
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        result["process_cpu_s"] = usage.ru_utime + usage.ru_stime
         emit({"event": "result", "result": result})
     except BaseException as exc:  # noqa: BLE001 - every failure is reported verbatim
         emit({"event": "error", "error": f"{type(exc).__name__}: {exc}",

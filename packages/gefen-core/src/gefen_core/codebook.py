@@ -88,18 +88,18 @@ HISTOGRAM_BINS = 4096
 
 ArrayLike = Tensor | np.ndarray | Sequence[float]
 
-# Guess of the upper window bound: U(j) = a1 + max(a1 - a2, 0) + _GUESS_MARGIN with a1, a2 the
-# argmins of the two previous layers _GUESS_AHEAD rows further up (boundaries drift upward by
-# about one row per layer). Only speed depends on these; correctness comes from the check.
-_GUESS_AHEAD = 2
-_GUESS_MARGIN = 1
-# The dense pass covers this percentile of the window widths; wider windows get a second pass.
-_DENSE_QUANTILE = 90
-# A failing row also widens the rows just below it, which would most likely fail next.
-_REPAIR_SPAN = 4
-# Use divide-and-conquer for a layer when its guessed windows hold more candidates than this
-# many times rows * log2(rows).
-_DC_THRESHOLD = 1.0
+# Layers k < _DC_LAYERS use divide and conquer (their proven lower bounds are far from the
+# argmins); later layers use windows. Only speed depends on these constants.
+_DC_LAYERS = 12
+# Every row of a window layer scans this many candidates from its lower bound in one dense pass.
+_DENSE_WIDTH = 3
+# Guess of the window's right end: a1 + max(a1 - a2, 0) + _GUESS_MARGIN with a1, a2 the argmins
+# of the two previous layers _GUESS_AHEAD rows further up (boundaries drift up by about one row
+# per layer). Correctness comes from the certification, never from the guess.
+_GUESS_AHEAD = 1
+_GUESS_MARGIN = 0
+# A failing row also widens this many rows (itself included) ending just below it.
+_REPAIR_SPAN = 8
 
 
 def histogram_bin_centers() -> Tensor:
@@ -248,11 +248,11 @@ def _few_points(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float
 
 
 class _LayeredDP:
-    """The layered recurrence of §1.8.3 with monotone-argmin windows (module docstring).
+    """The layered recurrence of §1.8.3 with certified monotone-argmin windows (module docstring).
 
     Indices: points are ``1..M``; prefix arrays have ``M + 1`` entries (index ``r`` = the first
     ``r`` points). Layer ``k`` has rows ``j = k .. k + R - 1`` with ``R = M - K + 1`` (the other
-    rows cannot lead to a ``K``-segment partition); row offset ``r = j - k``. ``D`` buffers are
+    rows cannot lead to a ``K``-segment partition); row offset ``r = j - k``. ``D`` values are
     indexed by ``j``; argmins are stored per layer by row offset.
     """
 
@@ -261,91 +261,82 @@ class _LayeredDP:
         self.m, self.k, self.rows = m, k, m - k + 1
         wx = w * x
         # Rows: W, S1, S2 (prefix sums at index r = the first r points) and D[k-1] of the layer
-        # being read.
+        # being read. Left-to-right accumulation, as the textbook's.
         self.tab = np.zeros((4, m + 1))
         np.cumsum(w, out=self.tab[0, 1:])
         np.cumsum(wx, out=self.tab[1, 1:])
         np.cumsum(wx * x, out=self.tab[2, 1:])
         self.pw, self.ps1, self.ps2, self.dprev = self.tab  # contiguous rows
-        self.arange = np.arange(max(4 * m + 16, 1 << 12), dtype=np.int64)
+        self.arange = np.arange(max(2 * m + 16, 1 << 12), dtype=np.int64)
         self.cols = np.arange(64, dtype=np.int64)[:, None]
+        self.big = np.int64(4 * m + 8)
 
-    # -- candidate scans ---------------------------------------------------------------------
-    def _ensure_arange(self, n: int) -> np.ndarray:
-        if n > self.arange.size:
-            self.arange = np.arange(2 * n, dtype=np.int64)
-        return self.arange
-
-    def _scan(self, j: np.ndarray, lo: np.ndarray,
-              hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Leftmost minimum over ``i in [lo, hi]`` (``hi >= lo``) of the free-cost candidates.
-
-        Returns ``(D values, argmins)`` per row; padded dense layout when the windows have
-        similar widths, ragged otherwise. ``D[k-1]`` is ``self.tab[3]``.
-        """
-        cnt = hi - lo + 1
-        width = int(cnt.max())
-        if width * j.size <= 2 * int(cnt.sum()) + 64:
-            return self._scan_dense(self.pw.take(j), self.ps1.take(j), self.ps2.take(j), lo, hi,
-                                    width)
-        return self._scan_ragged(j, lo, hi, cnt)
-
-    def _scan_ragged(self, j: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-                     cnt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        n = j.size
-        ends = np.cumsum(cnt)
-        total = int(ends[-1])
-        starts = ends - cnt
-        ar = self._ensure_arange(total)
-        row = np.repeat(ar[:n], cnt)
-        im1 = ar[:total] + np.repeat(lo - 1 - starts, cnt)
-        jr = j.take(row)
-        ww = self.pw.take(jr) - self.pw.take(im1)
-        s1 = self.ps1.take(jr) - self.ps1.take(im1)
-        s2 = self.ps2.take(jr) - self.ps2.take(im1)
-        val = self.dprev.take(im1) + (s2 - s1 * s1 / ww)
-        best = np.minimum.reduceat(val, starts)
-        first = np.minimum.reduceat(np.where(val == best.take(row), im1, total + self.m),
-                                    starts)
-        return best, first + 1
-
-    def _scan_dense(self, wj: np.ndarray, s1j: np.ndarray, s2j: np.ndarray, lo: np.ndarray,
-                    hi: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Leftmost minimum over ``i in [lo, min(hi, lo + width - 1)]``, ``[width, n]`` layout.
-
-        ``wj, s1j, s2j`` are W, S1, S2 at the rows. Columns past ``hi`` repeat candidate
-        ``hi``: the same value at a larger position, so neither the minimum nor the leftmost
-        argmin changes.
-        """
-        if width > self.cols.shape[0]:
-            self.cols = np.arange(width, dtype=np.int64)[:, None]
-        im1 = (lo - 1) + self.cols[:width]
-        np.minimum(im1, hi - 1, out=im1)
-        ww = wj - self.pw.take(im1)
+    # -- candidate scans (every value is the textbook's expression, bit for bit) -------------
+    def _values(self, pj: np.ndarray, s1j: np.ndarray, s2j: np.ndarray,
+                im1: np.ndarray) -> np.ndarray:
+        """``D[k-1][i-1] + (s2 - s1*s1/w)`` for segments ``[i..j]``; ``im1 = i - 1``."""
+        ww = pj - self.pw.take(im1)
         s1 = s1j - self.ps1.take(im1)
         s2 = s2j - self.ps2.take(im1)
         np.multiply(s1, s1, out=s1)
         np.divide(s1, ww, out=s1)
         np.subtract(s2, s1, out=s2)
-        val = np.add(self.dprev.take(im1), s2, out=s2)
-        best = val.min(axis=0)
-        first = np.where(val == best, im1, self.m + 1).min(axis=0)
+        return np.add(self.dprev.take(im1), s2, out=s2)
+
+    def _scan_dense(self, k: int, lo: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """All rows of layer ``k``, candidates ``i in [lo, min(lo + width - 1, j)]``.
+
+        ``[width, R]`` layout. Columns past ``j`` repeat candidate ``j`` (the clip): the same
+        value at a later column never replaces under strict improvement. Columns are merged
+        left to right replacing only on strict improvement, exactly the textbook's scan order.
+        """
+        rows = self.rows
+        if width > self.cols.shape[0]:
+            self.cols = np.arange(width, dtype=np.int64)[:, None]
+        im1 = (lo - 1) + self.cols[:width]
+        np.minimum(im1, self.arange[k - 1:k - 1 + rows], out=im1)
+        sl = slice(k, k + rows)
+        val = self._values(self.pw[sl], self.ps1[sl], self.ps2[sl], im1)
+        best = val[0]
+        arg = im1[0]
+        for c in range(1, width):
+            better = val[c] < best
+            arg = np.where(better, im1[c], arg)
+            best = np.minimum(best, val[c])  # equal to the strict-improvement choice
+        return best, arg + 1
+
+    def _scan_ragged(self, j: np.ndarray, lo: np.ndarray,
+                     hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Leftmost minimum over ``i in [lo, hi]`` (``hi >= lo``) per row ``j``; flat layout."""
+        n = j.size
+        cnt = hi - lo + 1
+        ends = np.cumsum(cnt)
+        total = int(ends[-1])
+        starts = ends - cnt
+        if total > self.arange.size:
+            self.arange = np.arange(2 * total, dtype=np.int64)
+        row = np.repeat(self.arange[:n], cnt)
+        im1 = self.arange[:total] + np.repeat(lo - 1 - starts, cnt)
+        jr = j.take(row)
+        val = self._values(self.pw.take(jr), self.ps1.take(jr), self.ps2.take(jr), im1)
+        best = np.minimum.reduceat(val, starts)
+        # Leftmost position holding the minimum; NaN never equals it, as it never improves.
+        first = np.minimum.reduceat(np.where(val == best.take(row), im1, self.big), starts)
         return best, first + 1
 
-    def _scan_row(self, j: int, lo: int) -> tuple[float, int]:
-        """One row over the contiguous candidates ``i in [lo, j]`` (slices, no gathers)."""
-        sl = slice(lo - 1, j)
-        ww = self.pw[j] - self.pw[sl]
-        s1 = self.ps1[j] - self.ps1[sl]
-        s2 = self.ps2[j] - self.ps2[sl]
-        val = self.dprev[sl] + (s2 - s1 * s1 / ww)
-        pos = int(val.argmin())  # first occurrence: ties keep the smallest i
-        return float(val[pos]), lo + pos
+    def _merge(self, j: np.ndarray, rows: np.ndarray, lo: np.ndarray,
+               hi: np.ndarray, best: np.ndarray, arg: np.ndarray) -> None:
+        """Scan candidates right of those already scanned; replace only on strict improvement."""
+        b, a = self._scan_ragged(j.take(rows), lo, hi)
+        better = b < best.take(rows)
+        upd = rows[better]
+        best[upd] = b[better]
+        arg[upd] = a[better]
 
     # -- layers ------------------------------------------------------------------------------
     def _layer_dc(self, j: np.ndarray, lower: np.ndarray,
                   best: np.ndarray, arg: np.ndarray) -> None:
-        """Level-synchronous divide and conquer over the rows of one layer."""
+        """Level-synchronous divide and conquer over the rows of one layer (fact 1 + bound)."""
         rows = self.rows
         rl = np.zeros(1, np.int64)
         rh = np.full(1, rows - 1, np.int64)
@@ -358,7 +349,7 @@ class _LayeredDP:
             hi = np.minimum(oh, jm)
             # Exact arithmetic gives lo <= hi; keep the scan well-formed if rounding does not.
             np.minimum(lo, hi, out=lo)
-            b, a = self._scan(jm, lo, hi)
+            b, a = self._scan_ragged(jm, lo, hi)
             best[mid] = b
             arg[mid] = a
             left = mid > rl
@@ -368,56 +359,50 @@ class _LayeredDP:
                               np.concatenate((ol[left], a[right])),
                               np.concatenate((a[left], oh[right])))
 
-    def _layer_windows(self, j: np.ndarray, lower: np.ndarray,
-                       upper: np.ndarray, best: np.ndarray, arg: np.ndarray) -> None:
-        """Guessed windows, then widen failing rows until every row is certified."""
-        top = self.rows - 1
-        best[top], arg[top] = self._scan_row(int(j[top]), int(lower[top]))
-        if top == 0:
-            return
-        j0 = int(j[0])
-        sl = slice(j0, j0 + top)
-        span = upper[:top] - lower[:top]
-        # A dense pass wide enough for most rows; the rest of the wider windows goes second.
-        q = (top - 1) * _DENSE_QUANTILE // 100
-        width = int(np.partition(span, q)[q]) + 1
-        best[:top], arg[:top] = self._scan_dense(self.pw[sl], self.ps1[sl], self.ps2[sl],
-                                                 lower[:top], upper[:top], width)
-        wide = np.flatnonzero(span >= width)
+    def _layer_windows(self, k: int, j: np.ndarray, lower: np.ndarray, guess: np.ndarray,
+                       best: np.ndarray, arg: np.ndarray) -> None:
+        """Windows ``[lower(j), hi(j)]``: a dense pass, guessed extra columns, then repairs.
+
+        ``lower`` is the proven bound ``a_{k-1}(j)`` (fact 2); ``hi`` starts at the guess and
+        grows until every row is certified: ``hi(j) >= a(j + 1)`` or ``hi(j) = j``, the top
+        row's ``hi`` being ``j`` (module docstring).
+        """
+        width = max(1, _DENSE_WIDTH)
+        b, a = self._scan_dense(k, lower, width)
+        best[:] = b
+        arg[:] = a
+        hi = np.minimum(lower + (width - 1), j)
+        # The guessed extra columns (the top row always goes to j: it has no row above it).
+        np.minimum(guess, j, out=guess)
+        guess[-1] = j[-1]
+        wide = np.flatnonzero(guess > hi)
         if wide.size:
-            self._merge(j, wide, lower.take(wide) + width, upper.take(wide), best, arg)
-        jm = j[:-1]
-        up = upper[:-1]
+            self._merge(j, wide, hi.take(wide) + 1, guess.take(wide), best, arg)
+            hi[wide] = guess.take(wide)
+        top = self.rows - 1
+        jm = j[:top]
+        him = hi[:top]
+        span = max(1, _REPAIR_SPAN)
         while True:
             # Row r is certified by row r + 1 when its window reaches a(r + 1) (fact 1).
-            bound = np.minimum(arg[1:], jm)
-            fail = np.flatnonzero(bound > up)
+            need = np.minimum(arg[1:], jm)
+            fail = np.flatnonzero(need > him)
             if not fail.size:
                 return
-            # Widen each failing row to its certified bound, and the rows just below it (they
-            # would most likely fail next) to the same bound, which is valid for them too.
-            rows = (fail[:, None] - self.cols[:_REPAIR_SPAN, 0]).ravel()
-            reach = np.repeat(bound.take(fail), _REPAIR_SPAN)
-            keep = rows >= 0
-            rows, reach = rows[keep], reach[keep]
-            order = np.lexsort((-reach, rows))
-            rows, reach = rows.take(order), reach.take(order)
-            first = np.ones(rows.size, dtype=bool)
-            first[1:] = rows[1:] != rows[:-1]
-            rows, reach = rows[first], np.minimum(reach[first], jm.take(rows[first]))
-            grow = reach > up.take(rows)
-            rows, reach = rows[grow], reach[grow]
-            self._merge(j, rows, up.take(rows) + 1, reach, best, arg)
-            up[rows] = reach
-
-    def _merge(self, j: np.ndarray, rows: np.ndarray, lo: np.ndarray,
-               hi: np.ndarray, best: np.ndarray, arg: np.ndarray) -> None:
-        """Scan candidates right of those already scanned; replace only on strict improvement."""
-        b, a = self._scan(j.take(rows), lo, hi)
-        better = b < best.take(rows)
-        upd = rows[better]
-        best[upd] = b[better]
-        arg[upd] = a[better]
+            # Widen each failing row to its bound a(r + 1). The rows just below it most likely
+            # fail next (its argmin moves right when widened), so they are widened to the same
+            # bound now, valid for them too by fact 1: a sliding maximum over `span` rows.
+            reach = np.zeros(top, np.int64)
+            reach[fail] = need.take(fail)
+            shift = 1
+            while shift < span:
+                np.maximum(reach[:-shift], reach[shift:], out=reach[:-shift])
+                shift <<= 1
+            np.minimum(reach, jm, out=reach)
+            rows = np.flatnonzero(reach > him)
+            grow = reach.take(rows)
+            self._merge(j, rows, him.take(rows) + 1, grow, best, arg)
+            him[rows] = grow
 
     def solve(self) -> tuple[np.ndarray, float]:
         m, kk, rows = self.m, self.k, self.rows
@@ -431,29 +416,27 @@ class _LayeredDP:
         dprev[j1] = (ps2[j1] + 2.0 * ps1[j1]) + pw[j1]
         args[1] = 1
         up_idx = np.minimum(ar + 1, rows - 1)
-        ahead1 = np.minimum(ar + 2 + _GUESS_AHEAD, rows - 1)
-        ahead2 = np.minimum(ar + 3 + _GUESS_AHEAD, rows - 1)
-        dc_budget = _DC_THRESHOLD * rows * math.log2(rows + 1)
+        ahead1 = np.minimum(ar + 1 + _GUESS_AHEAD, rows - 1)
+        ahead2 = np.minimum(ar + 2 + _GUESS_AHEAD, rows - 1)
         best = np.empty(rows)
         for k in range(2, kk):
             j = ar + k
+            arg = args[k]
             if k == 2:
                 lower = np.full(rows, 2, np.int64)
-                use_dc = True
             else:
                 # a_{k-1}(j) at offset r + 1 of layer k-1; the top row uses a_{k-1}(j - 1).
-                lower = np.maximum(args[k - 1].take(up_idx), k)
-                a1 = args[k - 1].take(ahead1)
-                upper = a1 + np.maximum(a1 - args[k - 2].take(ahead2), 0) + _GUESS_MARGIN
-                np.maximum(upper, lower, out=upper)
-                np.minimum(upper, j, out=upper)
-                upper[-1] = j[-1]
-                use_dc = float((upper - lower).sum()) + rows > dc_budget
-            arg = args[k]
-            if use_dc:
+                lower = args[k - 1].take(up_idx)
+                np.maximum(lower, k, out=lower)
+            if k < _DC_LAYERS:
                 self._layer_dc(j, lower, best, arg)
             else:
-                self._layer_windows(j, lower, upper, best, arg)
+                a1 = args[k - 1].take(ahead1)
+                guess = a1 - args[k - 2].take(ahead2)
+                np.maximum(guess, 0, out=guess)
+                guess += a1
+                guess += _GUESS_MARGIN
+                self._layer_windows(k, j, lower, guess, best, arg)
             dprev[k:k + rows] = best
         # Layer K: the single row j = M, last segment represented by +1, scanned in full.
         i = np.arange(kk, m + 1)

@@ -257,5 +257,148 @@ def _foreach_gefen(*args: Any, **kwargs: Any) -> None:
 
 
 def _fused_gefen(*args: Any, **kwargs: Any) -> None:
-    """The dispatching public ops of ``gefen_kernels`` (Triton on CUDA)."""
-    _run("fused", *args, batched=True, **kwargs)
+    """The fused (Triton) step on CUDA.
+
+    Eagerly, through cached launch plans (``gefen_kernels.ops.step_plan``): one launch per
+    block-mode tensor, three per factored tensor, the per-step scalars computed once per
+    distinct step count, no host synchronisation. Under ``torch.compile`` (and for tensors the
+    plans cannot take) through the public custom ops, which the compiler keeps in its graph.
+    Both give the same bits: the plans make the launches the ops make.
+    """
+    if _plans_apply(args[0]):
+        _planned_gefen(*args, **kwargs)
+    else:
+        _run("fused", *args, batched=True, **kwargs)
+
+
+def _plans_apply(params: Sequence[Tensor]) -> bool:
+    """Eager CUDA steps with Triton take the planned launches."""
+    if not params or torch.compiler.is_compiling() or params[0].device.type != "cuda":
+        return False
+    import gefen_kernels
+
+    return bool(gefen_kernels.triton_available())
+
+
+# Plans keyed (weakly) by each parameter's codes tensor: a new state tensor means a new plan.
+_PLANS: Any = None
+
+
+def _plan_for(
+    param: Tensor, codes: Tensor, scale: Tensor, sq: Tensor | None, row: Tensor | None,
+    col: Tensor | None, codebook: Tensor, options: tuple[Any, ...],
+) -> Any:
+    global _PLANS
+    from gefen_kernels.ops.step_plan import StepPlan
+
+    if _PLANS is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _PLANS = WeakIdKeyDictionary()
+    hit = _PLANS.get(codes)
+    if hit is not None and hit[0] == options and hit[1].matches(param, codes, scale, sq, row,
+                                                                 col, codebook):
+        return hit[1]
+    beta1, beta2, eps, maximize, stochastic_round, capturable = options
+    plan = StepPlan(param, codes, scale, sq, row, col, codebook, beta1=beta1, beta2=beta2,
+                    eps=eps, maximize=maximize, stochastic_round=stochastic_round,
+                    capturable=capturable)
+    _PLANS[codes] = (options, plan)
+    return plan
+
+
+def _device_hypers(
+    state_steps: Sequence[Tensor], exp_avg_sq_steps: Sequence[Tensor], factored: Tensor, *,
+    lr: float | Tensor, beta1: float, beta2: float, weight_decay: float,
+) -> Tensor:
+    """:func:`_device_hyper` for every tensor at once: fp32 ``[n, 4]``, the same elementwise
+    fp64 operations (so the same bits), a handful of launches instead of ~10 per tensor."""
+    t = torch.stack(list(state_steps)).to(torch.float64)
+    tv = torch.stack(list(exp_avg_sq_steps)).to(torch.float64)
+    bc1_recip = 1.0 / (1.0 - torch.pow(beta1, t))
+    b2 = 1.0 - torch.pow(beta2, tv)
+    bc2 = torch.where(factored, 1.0 / b2, torch.rsqrt(b2))
+    if isinstance(lr, Tensor):
+        lr64 = lr.detach().reshape(()).to(device=t.device, dtype=torch.float64)
+    else:
+        lr64 = torch.full((), float(lr), dtype=torch.float64, device=t.device)
+    lr64 = lr64.expand(t.shape)
+    decay = 1.0 - lr64 * weight_decay
+    return torch.stack([lr64, bc2, bc1_recip, decay], dim=1).to(torch.float32)
+
+
+def _planned_gefen(
+    params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg_codes: Sequence[Tensor],
+    exp_avg_scales: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor | None],
+    exp_avg_sq_rows: Sequence[Tensor | None], exp_avg_sq_cols: Sequence[Tensor | None],
+    state_steps: Sequence[Tensor], exp_avg_sq_steps: Sequence[Tensor], *, codebook: Tensor,
+    lr: float | Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+    maximize: bool, stochastic_round: bool, seeds: Sequence[int] | None,
+    seed_tensors: Sequence[Tensor] | None, capturable: bool,
+) -> None:
+    from gefen_kernels._numerics import f32
+
+    n = len(params)
+    torch._foreach_add_(list(state_steps), 1)
+    torch._foreach_add_(list(exp_avg_sq_steps), 1)
+    factored_flags = [sq is None for sq in exp_avg_sqs]
+    hyper: Tensor | None = None
+    host: list[tuple[float, float, float, float]] = []
+    if capturable:
+        mask = torch.tensor(factored_flags, device=params[0].device)
+        hyper = _device_hypers(state_steps, exp_avg_sq_steps, mask, lr=lr, beta1=beta1,
+                               beta2=beta2, weight_decay=weight_decay)
+    else:
+        host_lr = _host_lr(lr)
+        # One read of every counter (CPU tensors in the optimizer: no device sync).
+        ts = torch.stack([s.reshape(()) for s in state_steps]).tolist()
+        tvs = torch.stack([s.reshape(()) for s in exp_avg_sq_steps]).tolist()
+        cache: dict[tuple[float, float, bool], tuple[float, float, float, float]] = {}
+        for t, tv, fac in zip(ts, tvs, factored_flags):
+            key = (t, tv, fac)
+            vals = cache.get(key)
+            if vals is None:
+                sc = _host_scalars(t, tv, lr=host_lr, beta1=beta1, beta2=beta2,
+                                   weight_decay=weight_decay, factored=fac)
+                bc2 = sc["bc2_recip"] if fac else sc["bc2_rsqrt"]
+                vals = (f32(sc["lr"]), f32(sc["bc1_recip"]), f32(bc2), f32(sc["decay"]))
+                cache[key] = vals
+            host.append(vals)
+    options = (beta1, beta2, eps, bool(maximize), bool(stochastic_round), bool(capturable))
+    for i in range(n):
+        param, grad = params[i], grads[i]
+        sq, row, col = exp_avg_sqs[i], exp_avg_sq_rows[i], exp_avg_sq_cols[i]
+        seed = 0 if (seeds is None or capturable) else seeds[i]
+        seed_tensor = seed_tensors[i] if (capturable and seed_tensors is not None) else None
+        if not param.is_contiguous():
+            # The ops' path keeps its contiguous work copy and copy-back.
+            _apply_one_fused(i, param, grad, exp_avg_codes[i], exp_avg_scales[i], sq, row, col,
+                             host[i] if host else None, None if hyper is None else hyper[i],
+                             codebook=codebook, beta1=beta1, beta2=beta2, eps=eps,
+                             maximize=maximize, stochastic_round=stochastic_round, seed=seed,
+                             seed_tensor=seed_tensor)
+            continue
+        plan = _plan_for(param, exp_avg_codes[i], exp_avg_scales[i], sq, row, col, codebook,
+                         options)
+        g = grad if grad.is_contiguous() else grad.contiguous()
+        if hyper is not None:
+            plan.launch(g, lr=0.0, bc1_recip=0.0, bc2=0.0, decay=1.0, seed=0, hyper=hyper[i],
+                        seed_tensor=seed_tensor)
+        else:
+            lr32, bc1_32, bc2_32, decay32 = host[i]
+            plan.launch(g, lr=lr32, bc1_recip=bc1_32, bc2=bc2_32, decay=decay32, seed=seed)
+
+
+def _apply_one_fused(
+    i: int, param: Tensor, grad: Tensor, codes: Tensor, scale: Tensor, sq: Tensor | None,
+    row: Tensor | None, col: Tensor | None, vals: tuple[float, float, float, float] | None,
+    hyper: Tensor | None, **kw: Any,
+) -> None:
+    op_block, op_factored = _ops("fused")
+    scalars = None
+    if vals is not None:
+        lr32, bc1_32, bc2_32, decay32 = vals
+        scalars = {"lr": lr32, "bc1_recip": bc1_32, "decay": decay32,
+                   "bc2_recip" if sq is None else "bc2_rsqrt": bc2_32}
+    _apply(op_block, op_factored, i, param, grad, codes, scale, sq, row, col, scalars, hyper,
+           **kw)

@@ -785,3 +785,17 @@ def _fp8_visible() -> bool:
         return False
     return any(fp8_ns_supported(torch.device("cuda", i))
                for i in range(torch.cuda.device_count()))
+
+
+def _with_flag_docs(doc: str) -> str:
+    # The shared flag text of gefen_core._docs (str.format would trip over the LaTeX braces).
+    from . import _docs
+
+    parts = {"maximize": _docs.MAXIMIZE_DOC, "foreach": _docs.FOREACH_DOC,
+             "capturable": _docs.CAPTURABLE_DOC, "differentiable": _docs.DIFFERENTIABLE_DOC}
+    for key, text in parts.items():
+        doc = doc.replace("{" + key + "}", text)
+    return doc
+
+
+GefenMuon.__doc__ = _with_flag_docs(GefenMuon.__doc__ or "")

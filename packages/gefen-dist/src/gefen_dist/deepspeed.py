@@ -33,11 +33,18 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .capabilities import Layout, UnsupportedCombinationError, check_capabilities
+from .capabilities import (
+    GEFEN_MUON_CAPABILITIES,
+    Layout,
+    UnsupportedCombinationError,
+    check_capabilities,
+)
 
 __all__ = [
     "DeepSpeedConfigError",
     "initialize",
+    "name_zero_partitions",
+    "track_zero_partitions",
     "validate_deepspeed_config",
     "zero_config_keys",
     "zero_layouts",
@@ -122,7 +129,8 @@ def zero_layouts(config: Mapping[str, Any] | str | os.PathLike[str]) -> frozense
     stage = zero.get("stage", 0)
     mixed = _enabled(cfg.get("fp16")) or _enabled(cfg.get("bf16")) or _enabled(cfg.get("bfloat16"))
     layouts = {Layout.ZERO_FLAT if (stage != 0 or mixed) else Layout.REPLICATED}
-    if "cpu" in (_offload_device(zero, "offload_optimizer"), _offload_device(zero, "offload_param")):
+    devices = (_offload_device(zero, "offload_optimizer"), _offload_device(zero, "offload_param"))
+    if "cpu" in devices:
         layouts.add(Layout.CPU_RESIDENT)
     return frozenset(layouts)
 
@@ -151,8 +159,8 @@ def validate_deepspeed_config(
             Gefen); ``zero_optimization.stage`` not an int in 0..3; a missing or false
             ``zero_allow_untested_optimizer`` at stages 1-3; CPU offload without
             ``zero_force_ds_cpu_optimizer: false``; ``offload_param`` below stage 3;
-            ``offload_optimizer`` below stage 1; NVMe offload (DeepSpeed swaps state with its own
-            optimizers only: not supported for Gefen).
+            ``offload_optimizer`` below stage 1; ``elastic_checkpoint``; NVMe offload
+            (DeepSpeed swaps state with its own optimizers only: not supported for Gefen).
         gefen_dist.capabilities.UnsupportedCombinationError: ``optimizer`` is of the Muon family
             (or any class without ZeRO support) and the config flattens parameters; the message
             names the alternatives.
@@ -185,6 +193,10 @@ def validate_deepspeed_config(
     if off_par != "none" and stage != 3:
         problems.append(f"zero_optimization.offload_param needs stage 3 (got stage {stage}); "
                         "use stage 3 or remove offload_param")
+    if zero.get("elastic_checkpoint"):
+        problems.append("zero_optimization.elastic_checkpoint must be false: the elastic format "
+                        "saves the raw per-partition state without Gefen's codebook and strips "
+                        "padding from its [blocks, period] code tensors")
     offload = "cpu" in (off_opt, off_par)
     for key, want in zero_config_keys(offload=offload).items():
         if key == "zero_allow_untested_optimizer" and stage == 0:
@@ -210,12 +222,16 @@ def validate_deepspeed_config(
         cls = optimizer if isinstance(optimizer, type) else type(optimizer)
         for layout in sorted(zero_layouts(cfg), key=lambda x: x.value):
             try:
-                check_capabilities(optimizer, layout=layout)
-                if layout is Layout.ZERO_FLAT and _is_muon_family(cls):
-                    # Explicit even if a registry gap let GefenMuon inherit Gefen's entry.
-                    raise UnsupportedCombinationError(
-                        f"layout 'zero_flat' is not supported: {cls.__qualname__} needs whole "
-                        "2-D matrices and ZeRO hands the optimizer flat 1-D partitions")
+                if _is_muon_family(cls):
+                    # The Muon family's own declaration, looked up explicitly: GefenMuon
+                    # subclasses Gefen, so a registry gap would let it inherit ZERO_FLAT.
+                    caps = GEFEN_MUON_CAPABILITIES
+                    if layout not in caps.layouts:
+                        raise UnsupportedCombinationError(
+                            f"layout {layout.value!r} is not supported; "
+                            f"{caps.hints.get(layout, '')}")
+                else:
+                    check_capabilities(optimizer, layout=layout)
             except UnsupportedCombinationError as exc:
                 raise UnsupportedCombinationError(
                     f"{cls.__qualname__} cannot be a DeepSpeed client optimizer with this config "
@@ -274,4 +290,54 @@ def initialize(
     cfg = validate_deepspeed_config(config, optimizer, fix=fix_config)
     import deepspeed
 
-    return deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, **kwargs)
+    out = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, **kwargs)
+    track_zero_partitions(optimizer)
+    return out
+
+
+def name_zero_partitions(optimizer: Any) -> int:
+    """Give the flat partitions ZeRO put into ``optimizer.param_groups`` names of their own.
+
+    ZeRO (and DeepSpeed's fp16/bf16 wrappers) replace each group's ``params`` with flat fp32
+    partitions after Gefen was built — ZeRO-1/2 once, ZeRO-3 around every ``step``,
+    ``state_dict`` and ``load_state_dict`` (and an empty list in between) — but Gefen's parallel
+    ``param_names`` still lists the original parameters; its ``state_dict`` would then carry a
+    name list of the wrong length, which ``load_state_dict`` rightly refuses (§2.2). This
+    renames the tensors of every such group ``zero_partition.g<group>.<index>`` (flagged
+    synthesized, §1.4) — the same on every rank, so checkpoints agree — and leaves groups whose
+    lengths already agree alone.
+
+    Returns:
+        The number of groups renamed.
+    """
+    renamed = 0
+    for i, group in enumerate(getattr(optimizer, "param_groups", [])):
+        names = group.get("param_names")
+        if names is None or "param_names_synthesized" not in group:
+            continue  # not a Gefen group
+        if len(names) == len(group["params"]):
+            continue
+        count = len(group["params"])
+        group["param_names"] = [f"zero_partition.g{i}.{j}" for j in range(count)]
+        group["param_names_synthesized"] = [True] * count
+        renamed += 1
+    return renamed
+
+
+def track_zero_partitions(optimizer: Any) -> None:
+    """Keep :func:`name_zero_partitions` applied whenever ZeRO swaps the partitions in.
+
+    Registers it as a ``state_dict``, ``load_state_dict`` and ``step`` pre-hook of the Gefen
+    instance (the public ``torch.optim.Optimizer`` hook API), once per optimizer.
+    :func:`initialize` calls it; call it yourself after a bare ``deepspeed.initialize``.
+    """
+    if getattr(optimizer, "_gefen_zero_tracked", False):
+        return
+
+    def hook(opt: Any, *_: Any) -> None:
+        name_zero_partitions(opt)
+
+    optimizer.register_state_dict_pre_hook(hook)
+    optimizer.register_load_state_dict_pre_hook(hook)
+    optimizer.register_step_pre_hook(hook)
+    optimizer._gefen_zero_tracked = True

@@ -7,7 +7,7 @@ Three ways to give the Trainer a Gefen optimizer:
 
       Trainer(..., optimizer_cls_and_kwargs=gefen_optimizer_cls_and_kwargs(args))
       # == (Gefen, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
-      #            "eps": args.adam_epsilon, "weight_decay": args.weight_decay, "fused": True})
+      #            "eps": args.adam_epsilon, "weight_decay": args.weight_decay, "fused": None})
 
 * the hybrid, which splits the model's parameters at construction, built yourself::
 
@@ -92,8 +92,10 @@ def gefen_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
     """``TrainingArguments`` fields as :class:`gefen_core.Gefen` keyword arguments (§6.6).
 
     ``learning_rate`` -> ``lr``; ``(adam_beta1, adam_beta2)`` -> ``betas``; ``adam_epsilon`` ->
-    ``eps``; ``weight_decay`` -> ``weight_decay``; plus ``fused=True`` (Gefen falls back to its
-    PyTorch path per tensor where no kernel applies, e.g. on the CPU).
+    ``eps``; ``weight_decay`` -> ``weight_decay``; plus ``fused=None``: the fused kernels on
+    CUDA tensors, the PyTorch path elsewhere. (§6.6 writes ``fused=True``; gefen_core's
+    ``Gefen`` raises for ``fused=True`` on CPU tensors, so pass it explicitly only when every
+    parameter is on CUDA and the kernels must be used.)
 
     Args:
         args: a ``TrainingArguments`` (or any object with those attributes).
@@ -110,7 +112,7 @@ def gefen_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
         "betas": (float(_attr(args, "adam_beta1")), float(_attr(args, "adam_beta2"))),
         "eps": float(_attr(args, "adam_epsilon")),
         "weight_decay": float(_attr(args, "weight_decay")),
-        "fused": True,
+        "fused": None,
     }
     out.update(overrides)
     return out

@@ -90,8 +90,8 @@ def f32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", float(value)))[0]
 
 
-def momentum_ema(beta1: Tensor, one_minus_beta1: Tensor, scale: Tensor, codeword: Tensor,
-                 grad: Tensor) -> Tensor:
+def momentum_ema(beta1: float | Tensor, one_minus_beta1: float | Tensor, scale: Tensor,
+                 codeword: Tensor, grad: Tensor) -> Tensor:
     """The one definition of the momentum EMA on dequantised state (§1.10 step 5).
 
     ``m = beta1 * (scale * codeword) + (1 - beta1) * grad`` with every product rounded on its

@@ -32,17 +32,16 @@ _INSTALL_HINT = (
     "PyTorch."
 )
 
-triton: Any
-tl: Any
+triton: Any = None
+tl: Any = None
+_IMPORT_ERROR: BaseException | None = None
 try:  # pragma: no cover - which branch runs depends on the environment
-    import triton
-    import triton.language as tl
+    import triton as _triton_module
+    import triton.language as _tl_module
 
+    triton, tl = _triton_module, _tl_module
     TRITON_AVAILABLE = True
-    _IMPORT_ERROR: BaseException | None = None
 except Exception as exc:  # ImportError, or a broken install raising something else
-    triton = None
-    tl = None
     TRITON_AVAILABLE = False
     _IMPORT_ERROR = exc
 
@@ -82,13 +81,14 @@ def jit(fn: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
         return lambda f: jit(f, **kwargs)
     if TRITON_AVAILABLE:
         return triton.jit(fn, **kwargs) if kwargs else triton.jit(fn)
+    name = fn.__name__
 
     class _MissingTritonKernel:
-        __name__ = fn.__name__
+        __name__ = name
         __doc__ = fn.__doc__
 
         def __getitem__(self, grid: Any) -> Callable[..., Any]:
-            require_triton(f"the Triton kernel {fn.__name__}")
+            require_triton(f"the Triton kernel {name}")
             raise AssertionError("unreachable")  # require_triton raised
 
     return _MissingTritonKernel()

@@ -250,6 +250,15 @@ def _triton_with_route(param, grad, st, cb, route, split_elements=16384, loop_ti
                 loop_tile=loop_tile)
 
 
+def _sum_rtol(terms: int) -> float:
+    """Relative difference allowed between two fp32 sums of ``terms`` non-negative squares
+    taken in different (blocked, tree) orders: each carries about ``log2(terms)`` roundings of
+    at most 2**-24, and the r/k EMA passes that on at most once. At the CPU sizes (<= 4097
+    terms) this is 4e-7 to 1.5e-6; at 8192 terms (the GPU shapes) 1.6e-6: far below what a
+    lost row, a lost column or a wrong 1/C (>= 1e-4) would give."""
+    return 2.0 * max(4, math.ceil(math.log2(max(terms, 2)))) * 2.0**-24
+
+
 def _pair(param, grad, st, cb, *, route=None, split_elements=16384, loop_tile=2048, **kw):
     hp = {**_hyper(3, 1e-3, 0.01), **kw}
     ref_p, ref = param.clone(), clone_state(st)
@@ -262,8 +271,11 @@ def _pair(param, grad, st, cb, *, route=None, split_elements=16384, loop_tile=20
         _triton_with_route(tri_p, grad, tri, cb, route, split_elements, loop_tile, **hp)
     assert_bitwise(tri["codes"], ref["codes"], "codes")
     assert_bitwise(tri["scale"], ref["scale"], "scale")
-    torch.testing.assert_close(tri["row"], ref["row"], rtol=4e-7, atol=0, equal_nan=True)
-    torch.testing.assert_close(tri["col"], ref["col"], rtol=4e-7, atol=0, equal_nan=True)
+    rows, cols = param.shape
+    torch.testing.assert_close(tri["row"], ref["row"], rtol=_sum_rtol(cols), atol=0,
+                               equal_nan=True)
+    torch.testing.assert_close(tri["col"], ref["col"], rtol=_sum_rtol(rows), atol=0,
+                               equal_nan=True)
     assert_within_one_ulp(tri_p, ref_p, "param", before=param)
     return tri_p
 
@@ -354,7 +366,7 @@ def test_triton_matches_reference_large_gpu(rows, cols, period, route) -> None:
     gen = torch.Generator(device="cuda").manual_seed(rows)
     param = torch.randn(rows, cols, device="cuda", generator=gen).to(torch.bfloat16)
     grad = torch.randn(rows, cols, device="cuda", generator=gen).to(torch.bfloat16)
-    grad[7] = 0.0
+    grad[min(7, rows - 1)] = 0.0  # a zero row and a zero column (some shapes have 2 rows)
     grad[:, 3] = 0.0
     b = rows * cols // period
     st = {"codes": torch.randint(0, 256, (b, period), device="cuda", dtype=torch.uint8,

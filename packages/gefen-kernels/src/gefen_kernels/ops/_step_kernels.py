@@ -54,7 +54,7 @@ SPLIT_ELEMENTS = 16384  # elements of one block per program in the split route
 
 
 @jit
-def _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER: tl.constexpr):
+def _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER: tl.constexpr):  # type: ignore[no-untyped-def]
     if HYPER:
         lr = tl.load(hyper_ptr + 0)
         bc2 = tl.load(hyper_ptr + 1)
@@ -64,7 +64,7 @@ def _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER: tl.constexpr):
 
 
 @jit
-def _load_seed(seed_ptr, seed, SEED_PTR: tl.constexpr):
+def _load_seed(seed_ptr, seed, SEED_PTR: tl.constexpr):  # type: ignore[no-untyped-def]
     if SEED_PTR:
         s = tl.load(seed_ptr)
     else:
@@ -75,7 +75,9 @@ def _load_seed(seed_ptr, seed, SEED_PTR: tl.constexpr):
 @jit
 def _block_sigma(sumsq, v_old, period, b2, omb2, eps, bc2, bc1):
     """v' = b2 v + (1-b2) f32(sumsq / P); sigma = f32(1/f32(f32(sqrt(v') * bc2) + eps)) * bc1."""
-    mean = tl.math.div_rn(sumsq, period.to(tl.float32))
+    # `period` may arrive as the Python int 1 (Triton specialises int arguments equal to 1):
+    # adding it to an fp32 zero converts it (round to nearest, as .to would) in either case.
+    mean = tl.math.div_rn(sumsq, tl.zeros([], dtype=tl.float32) + period)
     v_new = b2 * v_old + omb2 * mean
     h = tl.math.sqrt_rn(v_new) * bc2
     h = h + eps
@@ -84,7 +86,7 @@ def _block_sigma(sumsq, v_old, period, b2, omb2, eps, bc2, bc1):
 
 
 @jit
-def _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE: tl.constexpr):
+def _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE: tl.constexpr):  # type: ignore[no-untyped-def]
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         g = -g
@@ -94,7 +96,7 @@ def _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE: tl.co
 
 
 @jit
-def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, m, s_new,
+def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, m, s_new,  # type: ignore[no-untyped-def]
            sigma_block, ncols, lr, bc2, bc1, decay, eps, seed_u,
            FACTORED: tl.constexpr, STOCHASTIC: tl.constexpr, STEPS: tl.constexpr):
     """Normalise, quantise, write codes and (lr != 0) the parameter update for ``offs``."""
@@ -125,7 +127,7 @@ def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs
 
 
 @jit
-def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,
+def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
                  table_ptr, num_blocks, period, ncols, b1, omb1, b2, omb2, eps, lr, bc2, bc1,
                  decay, seed_u, BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
                  MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, STEPS: tl.constexpr):
@@ -152,7 +154,7 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
 
 
 @jit(do_not_specialize=["seed"])
-def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,
+def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
                       table_ptr, hyper_ptr, seed_ptr, num_blocks, period, ncols,
                       b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
                       BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
@@ -167,7 +169,7 @@ def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
 
 
 @jit(do_not_specialize=["seed"])
-def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,
+def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
                       table_ptr, hyper_ptr, seed_ptr, num_blocks, period, ncols,
                       b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
                       TILE: tl.constexpr, FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr,
@@ -212,7 +214,7 @@ def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
 
 
 @jit
-def _step_partial_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, part_max_ptr, part_sq_ptr, period,
+def _step_partial_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, part_max_ptr, part_sq_ptr, period,  # type: ignore[no-untyped-def]
                          num_splits, b1, omb1, SPLIT: tl.constexpr, TILE: tl.constexpr,
                          FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr):
     """Split route, phase 1: max |m| (NaN-propagating) and sum g^2 of one slice of a block."""
@@ -238,7 +240,7 @@ def _step_partial_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, part_max_ptr, part_sq_ptr,
 
 
 @jit(do_not_specialize=["seed"])
-def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr, col_ptr,
+def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr, col_ptr,  # type: ignore[no-untyped-def]
                        inv_rbar_ptr, cb_ptr, table_ptr, hyper_ptr, seed_ptr, period, ncols,
                        b1, omb1, eps, lr, bc2, bc1, decay, seed,
                        SPLIT: tl.constexpr, TILE: tl.constexpr, FACTORED: tl.constexpr,

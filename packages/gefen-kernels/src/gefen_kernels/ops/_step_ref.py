@@ -85,7 +85,7 @@ def run_step(
     maximize: bool,
     stochastic_round: bool,
     seed: int | Tensor,
-    block_sigma: Callable[[int, int, Tensor], Tensor] | None,
+    block_sigma: Callable[[int, int, Tensor | None], Tensor] | None,
     element_sigma: Callable[[int, int], tuple[Tensor, Tensor]] | None,
 ) -> None:
     """Momentum EMA, re-quantisation and parameter update over chunks of whole blocks.
@@ -168,7 +168,7 @@ def run_step(
             decayed = (p_old * sc.decay).to(pdt).to(cdt)
             new = (decayed - u).to(pdt)
             if sc.capturable:
-                new = torch.where(sc.lr == 0, p_view, new)
+                new = torch.where(torch.as_tensor(sc.lr) == 0, p_view, new)
             p_view.copy_(new)
             del u, p_old, decayed, new, mhat
         scale[group.first:group.stop].copy_(s_new)

@@ -40,7 +40,7 @@ def tl_codeword_upper(x, cb_ptr):
 
 
 @jit
-def tl_codeword_upper_table(x, cb_ptr, table_ptr, STEPS: tl.constexpr):
+def tl_codeword_upper_table(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
     """R = min(lower_bound(c, x), 255) narrowed by the search table of §1.8.4.
 
     ``table_ptr``: int32 ``[4097]``, ``L[b]`` = number of codewords whose bucket
@@ -63,7 +63,7 @@ def tl_codeword_upper_table(x, cb_ptr, table_ptr, STEPS: tl.constexpr):
 
 
 @jit
-def tl_codeword_right(x, cb_ptr, table_ptr, STEPS: tl.constexpr):
+def tl_codeword_right(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
     """R of §1.9: the table-narrowed search when ``STEPS > 0``, else the full 8-probe one."""
     if STEPS > 0:
         right = tl_codeword_upper_table(x, cb_ptr, table_ptr, STEPS)
@@ -73,7 +73,7 @@ def tl_codeword_right(x, cb_ptr, table_ptr, STEPS: tl.constexpr):
 
 
 @jit
-def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):
+def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
     """Nearest codeword index (int32) of fp32 ``x``; ties to the lower index; NaN -> 0."""
     right = tl_codeword_right(x, cb_ptr, table_ptr, STEPS)
     left = tl.maximum(right - 1, 0)
@@ -99,7 +99,7 @@ def tl_sr_uniform(seed_u64, index):
 
 
 @jit
-def tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS: tl.constexpr, seed_u64, index):
+def tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS: tl.constexpr, seed_u64, index):  # type: ignore[no-untyped-def]
     """Stochastic rounding (§1.9) of fp32 ``x`` using ``U(seed, index)``; NaN -> 0."""
     right = tl_codeword_right(x, cb_ptr, table_ptr, STEPS)
     left = tl.maximum(right - 1, 0)
@@ -116,7 +116,7 @@ def tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS: tl.constexpr, seed_u64, 
 
 
 @jit
-def tl_nan_max(abs_values, is_nan, axis: tl.constexpr):
+def tl_nan_max(abs_values, is_nan, axis: tl.constexpr):  # type: ignore[no-untyped-def]
     """max over ``axis`` that returns NaN when any ``is_nan`` (GPU max instructions drop NaN)."""
     amax = tl.max(abs_values, axis=axis)
     any_nan = tl.max(is_nan.to(tl.int32), axis=axis)
@@ -124,7 +124,7 @@ def tl_nan_max(abs_values, is_nan, axis: tl.constexpr):
 
 
 @jit
-def tl_round_to(x, dtype: tl.constexpr):
+def tl_round_to(x, dtype: tl.constexpr):  # type: ignore[no-untyped-def]
     """Round fp32 ``x`` to ``dtype`` to nearest-even, identically on GPU and in the interpreter.
 
     bf16 is rounded with integer arithmetic on the fp32 bit pattern (the interpreter's own

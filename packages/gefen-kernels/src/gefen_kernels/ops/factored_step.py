@@ -157,51 +157,143 @@ def factored_step_reference(
 # Triton: row/column statistics kernel + the shared update kernels of _step_kernels.py
 # --------------------------------------------------------------------------------------------
 
-_STATS_TILE = 2048  # elements of one [RB, CB] tile
-_STATS_ROW_TILES = 8  # row tiles per program (rows per program = RB * this)
+_STATS_TILE = 4096  # elements of one [RB, CB] tile of the statistics kernel
+_STATS_MAX_CB = 512  # columns per statistics program (row partials: R * ceil(C / 512) floats)
+_STATS_PROGRAMS = 1024  # about 8 programs per SM on a 132-SM H200
+_FINALIZE_BLOCK = 1024  # rows or columns per iteration of the finalize kernel
 
 
 @jit
-def _factored_stats_kernel(g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, n_col_tiles,
-                           RB: tl.constexpr, CB: tl.constexpr, ROW_TILES: tl.constexpr):
-    """Partial sums of g^2 (fp32) of a ``[RB * ROW_TILES, CB]`` strip of a ``[R, C]`` gradient.
+def _factored_stats_kernel(g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, n_col_tiles,  # type: ignore[no-untyped-def]
+                           rows_per_program, RB: tl.constexpr, CB: tl.constexpr):
+    """Partial sums of g^2 (fp32) of a ``[rows_per_program, CB]`` strip of a ``[R, C]`` gradient.
 
     g_ptr: ``[R, C]`` contiguous (fp32/bf16/fp16). row_part_ptr: fp32 ``[R, n_col_tiles]``
     (row sums over this program's columns); col_part_ptr: fp32 ``[n_row_programs, C]``
-    (column sums over this program's rows). Reduced afterwards in a fixed order, so the result
-    is deterministic (no atomics). Offsets are int64.
+    (column sums over this program's rows, accumulated in row order). Reduced afterwards in a
+    fixed order, so the result is deterministic (no atomics). The grid depends only on the
+    shape, so the scratch is bounded (``R * n_col_tiles + n_row_programs * C`` floats, a few
+    MiB at most) however many rows there are. Offsets are int64.
     """
     pr = tl.program_id(0).to(tl.int64)
     pc = tl.program_id(1).to(tl.int64)
     cols = pc * CB + tl.arange(0, CB).to(tl.int64)
     cmask = cols < ncols
     col_acc = tl.zeros([CB], dtype=tl.float32)
-    for t in range(ROW_TILES):
-        rows = (pr * ROW_TILES + t) * RB + tl.arange(0, RB).to(tl.int64)
-        rmask = rows < nrows
+    lanes = tl.arange(0, RB).to(tl.int64)
+    first = pr * rows_per_program
+    stop = tl.minimum(first + rows_per_program, nrows)
+    start = first
+    # while, not range(): Triton 3.3's interpreter cannot take a runtime loop bound.
+    while start < stop:
+        rows = start + lanes
+        rmask = rows < stop
         mask = rmask[:, None] & cmask[None, :]
         g = tl.load(g_ptr + rows[:, None] * ncols + cols[None, :], mask=mask,
                     other=0.0).to(tl.float32)
         sq = g * g
         tl.store(row_part_ptr + rows * n_col_tiles + pc, tl.sum(sq, axis=1), mask=rmask)
         col_acc += tl.sum(sq, axis=0)
+        start += RB
     tl.store(col_part_ptr + pr * ncols + cols, col_acc, mask=cmask)
 
 
-def _row_col_sums_triton(grad: Tensor) -> tuple[Tensor, Tensor]:
-    rows, cols = grad.shape
+@jit
+def _factored_finalize_kernel(row_part_ptr, col_part_ptr, row_ptr, col_ptr, inv_rbar_ptr,  # type: ignore[no-untyped-def]
+                              nrows, ncols, n_col_tiles, n_row_programs, inv_c, inv_r, b2, omb2,
+                              BLOCK: tl.constexpr):
+    """Reduce the partials in a fixed order and apply the r/k EMA; program 0 also writes 1/rbar.
+
+    Program 0: ``r' = f32(f32(b2 * r) + f32(f32(rowsum * f32(1/C)) * (1 - b2)))`` for every
+    row (the reference's ``_ema``), then ``1/rbar = f32(1 / max(f32(f32(sum r') / f32(R)),
+    FLT_MIN))`` into ``inv_rbar_ptr[0]``. Programs ``1 ..``: ``k'`` for ``BLOCK`` columns each.
+    """
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    if pid == 0:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        start = nrows * 0
+        while start < nrows:
+            idx = start + lanes
+            mask = idx < nrows
+            total = tl.zeros([BLOCK], dtype=tl.float32)
+            t = n_col_tiles * 0
+            while t < n_col_tiles:
+                total += tl.load(row_part_ptr + idx * n_col_tiles + t, mask=mask, other=0.0)
+                t += 1
+            r_new = tl.load(row_ptr + idx, mask=mask, other=0.0) * b2 + (total * inv_c) * omb2
+            tl.store(row_ptr + idx, r_new, mask=mask)
+            acc += tl.where(mask, r_new, 0.0)
+            start += BLOCK
+        # `nrows` may be the Python int 1 (specialised): the fp32 zero converts it either way.
+        mean = tl.math.div_rn(tl.sum(acc, axis=0), tl.zeros([], dtype=tl.float32) + nrows)
+        # NaN-propagating floor, as torch.clamp (GPU max instructions would drop the NaN).
+        rbar = tl.where(mean != mean, mean, tl.maximum(mean, 1.1754943508222875e-38))
+        tl.store(inv_rbar_ptr, tl.math.div_rn(1.0, rbar))
+    else:
+        idx = (pid - 1).to(tl.int64) * BLOCK + lanes
+        mask = idx < ncols
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        p = n_row_programs * 0
+        while p < n_row_programs:
+            total += tl.load(col_part_ptr + p * ncols + idx, mask=mask, other=0.0)
+            p += 1
+        k_new = tl.load(col_ptr + idx, mask=mask, other=0.0) * b2 + (total * inv_r) * omb2
+        tl.store(col_ptr + idx, k_new, mask=mask)
+
+
+def _stats_grid(rows: int, cols: int) -> tuple[int, int, int, int, int]:
+    """(RB, CB, n_col_tiles, n_row_programs, rows_per_program) of the statistics kernel."""
     tile = program_elements(_STATS_TILE)
-    cb = min(tile // 8, 1 << max(0, (cols - 1).bit_length()))
+    cb = min(_STATS_MAX_CB, 1 << max(0, (cols - 1).bit_length()))
     rb = max(1, tile // cb)
-    row_tiles = max(1, min(_STATS_ROW_TILES, triton.cdiv(rows, rb)))
     n_col_tiles = triton.cdiv(cols, cb)
-    n_row_programs = triton.cdiv(rows, rb * row_tiles)
-    row_part = torch.empty(rows, n_col_tiles, dtype=torch.float32, device=grad.device)
-    col_part = torch.empty(n_row_programs, cols, dtype=torch.float32, device=grad.device)
+    want = max(1, min(triton.cdiv(rows, rb), triton.cdiv(_STATS_PROGRAMS, n_col_tiles)))
+    rows_per_program = triton.cdiv(triton.cdiv(rows, want), rb) * rb
+    n_row_programs = triton.cdiv(rows, rows_per_program)
+    return rb, cb, n_col_tiles, n_row_programs, rows_per_program
+
+
+def _stats_partials(grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Row partials fp32 ``[R, n_col_tiles]``, column partials fp32 ``[n_row_programs, C]``
+    of ``g^2``, and one spare fp32 ``[1]`` (for ``1/rbar``), in one scratch allocation."""
+    rows, cols = grad.shape
+    rb, cb, n_col_tiles, n_row_programs, rows_per_program = _stats_grid(rows, cols)
+    n_rows_part = rows * n_col_tiles
+    scratch = torch.empty(n_rows_part + n_row_programs * cols + 1, dtype=torch.float32,
+                          device=grad.device)
+    row_part = scratch[:n_rows_part].view(rows, n_col_tiles)
+    col_part = scratch[n_rows_part:n_rows_part + n_row_programs * cols].view(n_row_programs, cols)
     _factored_stats_kernel[(n_row_programs, n_col_tiles)](
-        grad, row_part, col_part, rows, cols, n_col_tiles, RB=rb, CB=cb,
-        ROW_TILES=row_tiles, num_warps=8, **LAUNCH_OPTIONS)
+        grad, row_part, col_part, rows, cols, n_col_tiles, rows_per_program, RB=rb, CB=cb,
+        num_warps=8, **LAUNCH_OPTIONS)
+    return row_part, col_part, scratch[-1:]
+
+
+def _row_col_sums_triton(grad: Tensor) -> tuple[Tensor, Tensor]:
+    """Row and column sums of ``g^2`` (fp32, fixed order) from the statistics kernel."""
+    row_part, col_part, _ = _stats_partials(grad)
     return row_part.sum(dim=1), col_part.sum(dim=0)
+
+
+def factored_stats_triton(grad: Tensor, exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, *,
+                          beta2: float) -> Tensor:
+    """Steps 1-2 of §1.11 in two launches: the r/k EMA in place; returns ``1/rbar`` as an fp32
+    ``[1]`` device tensor. One allocation (the partials), no host synchronisation, no torch op
+    in between. ``grad`` is ``[R, C]`` contiguous fp32/bf16/fp16.
+
+    The EMA is the reference's expression (:func:`_ema`), so ``r``/``k`` differ from it only
+    through the summation order of ``sum g^2`` (a few fp32 ulps).
+    """
+    rows, cols = grad.shape
+    row_part, col_part, inv_rbar = _stats_partials(grad)
+    b2 = f32(beta2)
+    block = _FINALIZE_BLOCK
+    _factored_finalize_kernel[(1 + triton.cdiv(cols, block),)](
+        row_part, col_part, exp_avg_sq_row, exp_avg_sq_col, inv_rbar, rows, cols,
+        row_part.shape[1], col_part.shape[0], f32(1.0 / cols), f32(1.0 / rows), b2,
+        f32(1.0 - b2), BLOCK=block, num_warps=4, **LAUNCH_OPTIONS)
+    return inv_rbar
 
 
 def factored_step_triton(
@@ -228,10 +320,10 @@ def factored_step_triton(
 ) -> None:
     """Triton factored-mode step; same signature and contract as the reference.
 
-    Launches: the statistics kernel (row and column partial sums of ``g^2``), a few small
-    torch ops on ``[R]``/``[C]`` (fixed-order sums, the r/k EMA with the reference's exact
-    expression, ``1/rbar`` as a device scalar: no host sync), then the shared update kernel
-    with ``sigma`` per element in registers. Codes and scales equal the reference's bit for
+    Three launches: the statistics kernel (row and column partial sums of ``g^2``), the
+    finalize kernel (fixed-order sums, the r/k EMA with the reference's exact expression,
+    ``1/rbar`` as a device scalar: no host sync), then the shared update kernel with ``sigma``
+    per element in registers. Codes and scales equal the reference's bit for
     bit; ``r``/``k`` may differ by fp32 ulps (summation order), parameters accordingly.
 
     Raises:
@@ -247,12 +339,7 @@ def factored_step_triton(
     if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         grad = grad.to(torch.float32)
     rows, cols = param.shape
-    sc = make_scalars(dtype=torch.float32, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                      bc1_recip=bc1_recip, bc2=bc2_recip, decay=decay, hyper=hyper)
-    row_sum, col_sum = _row_col_sums_triton(grad)
-    exp_avg_sq_row.copy_(_ema(exp_avg_sq_row, row_sum, 1.0 / cols, sc))
-    exp_avg_sq_col.copy_(_ema(exp_avg_sq_col, col_sum, 1.0 / rows, sc))
-    inv_rbar = _rbar_reciprocal(exp_avg_sq_row, rows).view(1)
+    inv_rbar = factored_stats_triton(grad, exp_avg_sq_row, exp_avg_sq_col, beta2=beta2)
     launch_step(param, grad, codes, scale, exp_avg_sq=None, row=exp_avg_sq_row,
                 col=exp_avg_sq_col, inv_rbar=inv_rbar, ncols=cols, codebook=codebook, lr=lr,
                 beta1=beta1, beta2=beta2, eps=eps, bc1_recip=bc1_recip, bc2=bc2_recip,

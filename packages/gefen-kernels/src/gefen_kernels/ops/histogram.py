@@ -90,7 +90,7 @@ _HIST_SPLIT = 16384  # elements of one block per program (split route)
 
 
 @jit
-def _bin_and_count(g, amax, valid, counts_ptr, NUM_BINS: tl.constexpr, N: tl.constexpr):
+def _bin_and_count(g, amax, valid, counts_ptr, NUM_BINS: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]
     """Bin fp32 ``g`` (normalised by ``amax``, broadcastable) and add the counts of ``valid``
     elements to the int64 ``counts_ptr[NUM_BINS]`` (order-independent integer atomics).
 
@@ -120,7 +120,7 @@ def _not_finite(x):
 
 
 @jit
-def _histogram_tile_kernel(g_ptr, counts_ptr, num_blocks, period, BPP: tl.constexpr,
+def _histogram_tile_kernel(g_ptr, counts_ptr, num_blocks, period, BPP: tl.constexpr,  # type: ignore[no-untyped-def]
                            P2: tl.constexpr, NUM_BINS: tl.constexpr):
     """Tile route: ``BPP`` whole blocks (``[BPP, P2]``, ``P2`` = next pow2 >= period) per
     program; g_ptr fp32/bf16/fp16 ``[N]``; counts_ptr int64 ``[NUM_BINS]``."""
@@ -137,7 +137,7 @@ def _histogram_tile_kernel(g_ptr, counts_ptr, num_blocks, period, BPP: tl.conste
 
 
 @jit
-def _histogram_partial_max_kernel(g_ptr, part_ptr, period, num_splits, SPLIT: tl.constexpr,
+def _histogram_partial_max_kernel(g_ptr, part_ptr, period, num_splits, SPLIT: tl.constexpr,  # type: ignore[no-untyped-def]
                                   TILE: tl.constexpr):
     """Split route, phase 1: max |g| of one slice of a block (Inf if a NaN/Inf is seen)."""
     block = tl.program_id(0).to(tl.int64)
@@ -154,7 +154,7 @@ def _histogram_partial_max_kernel(g_ptr, part_ptr, period, num_splits, SPLIT: tl
 
 
 @jit
-def _histogram_split_kernel(g_ptr, amax_ptr, counts_ptr, period, SPLIT: tl.constexpr,
+def _histogram_split_kernel(g_ptr, amax_ptr, counts_ptr, period, SPLIT: tl.constexpr,  # type: ignore[no-untyped-def]
                             TILE: tl.constexpr, NUM_BINS: tl.constexpr):
     """Split route, phase 2: bin one slice of a block with the block's max (skip if not finite)."""
     block = tl.program_id(0).to(tl.int64)

@@ -84,7 +84,7 @@ def multi_block_step_reference(
 
 
 @jit
-def _multi_tile_kernel(meta_ptr, prog_ptr, cb_ptr, table_ptr, hyper_ptr, seed_ptr,
+def _multi_tile_kernel(meta_ptr, prog_ptr, cb_ptr, table_ptr, hyper_ptr, seed_ptr,  # type: ignore[no-untyped-def]
                        b1, omb1, b2, omb2, eps,
                        P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BPP: tl.constexpr,
                        P2: tl.constexpr, MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr,
@@ -118,11 +118,12 @@ def _multi_tile_kernel(meta_ptr, prog_ptr, cb_ptr, table_ptr, hyper_ptr, seed_pt
 
 
 _TL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_TABLES: dict[tuple, tuple[Tensor, Tensor, int, int, int]] = {}
+_TABLES: dict[tuple, tuple[Tensor, Tensor, int, int]] = {}
 _TABLES_MAX = 64
 
 
-def _group_tables(members: list[int], params, grads, codes, scales, exp_avg_sqs, p2: int,
+def _group_tables(members: list[int], params: list[Tensor], grads: list[Tensor],
+                  codes: list[Tensor], scales: list[Tensor], exp_avg_sqs: list[Tensor], p2: int,
                   device: torch.device) -> tuple[Tensor, Tensor, int, int]:
     """Device meta table and program map of one group, cached by the tensors' addresses."""
     bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
@@ -150,7 +151,7 @@ def _group_tables(members: list[int], params, grads, codes, scales, exp_avg_sqs,
     prog_t = torch.tensor(prog, dtype=torch.int32).to(device)
     if len(_TABLES) >= _TABLES_MAX:
         _TABLES.clear()
-    _TABLES[key] = (meta, prog_t, first, bpp, 0)
+    _TABLES[key] = (meta, prog_t, first, bpp)
     return meta, prog_t, first, bpp
 
 

@@ -101,7 +101,7 @@ _QUANT_BLOCK = 1024
 
 
 @jit(do_not_specialize=["seed", "offset"])
-def _quantize_kernel(x_ptr, cb_ptr, table_ptr, out_ptr, numel, seed, offset,
+def _quantize_kernel(x_ptr, cb_ptr, table_ptr, out_ptr, numel, seed, offset,  # type: ignore[no-untyped-def]
                      STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     """Codeword search over a flat tensor.
 

@@ -1,0 +1,318 @@
+"""Compile every Gefen Triton kernel for sm_90 on a machine without a GPU.
+
+The CPU interpreter (``TRITON_INTERPRET=1``) runs kernels as Python and so misses errors that
+only the compiler front end sees: an ``int`` argument equal to 1 becomes the *constant* 1 when
+Triton specialises it (``period.to(tl.float32)`` then fails), a pointer or integer divisible
+by 16 gets an alignment attribute, a ``tl.constexpr`` branch that the interpreter never took is
+type-checked. This script drives the real launchers (``block_step_triton``,
+``factored_step_triton``, ``multi_block_step_triton``, the quantize launchers) over every route
+and constexpr combination they can pick, records each launch instead of running it, applies
+Triton's launch-time specialisation rules (ints equal to 1 -> constexpr, ints and pointers
+divisible by 16 -> ``tt.divisibility``), and compiles the result ahead of time with
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``.
+
+Usage (from ``packages/gefen-kernels``)::
+
+    python tests/compile_check.py                 # front end + TTIR/TTGIR passes (default)
+    python tests/compile_check.py --stage cubin   # all the way to a cubin (needs ptxas)
+
+Exit status 0 when every configuration compiles; otherwise the failures are printed.
+``tests/test_compile_check.py`` runs it in a subprocess (the test session itself interprets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+os.environ["TRITON_INTERPRET"] = "0"  # must precede importing gefen_kernels (kernels compile)
+
+import torch  # noqa: E402
+
+_TORCH_TO_TRITON = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+    torch.float64: "fp64", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64",
+}
+
+STAGES = ("ir", "ttir", "ttgir", "llir", "ptx", "cubin")
+
+
+class Launch:
+    """One recorded kernel launch with Triton's launch-time specialisation applied."""
+
+    def __init__(self, kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.kernel = kernel
+        names = list(kernel.arg_names)
+        values = dict(zip(names, args))
+        self.options = {k: v for k, v in kwargs.items() if k not in names}
+        values.update({k: v for k, v in kwargs.items() if k in names})
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise TypeError(f"{kernel.__name__}: launch lacks arguments {missing}")
+        self.signature: dict[str, str] = {}
+        self.constexprs: dict[tuple[int, ...], Any] = {}
+        self.attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+        for i, (name, param) in enumerate(zip(names, kernel.params)):
+            v = values[name]
+            dns = param.do_not_specialize
+            dns_align = getattr(param, "do_not_specialize_on_alignment", False) or dns
+            if param.is_constexpr:
+                self.signature[name] = "constexpr"
+                self.constexprs[(i,)] = v
+            elif isinstance(v, torch.Tensor):
+                self.signature[name] = "*" + _TORCH_TO_TRITON[v.dtype]
+                if not dns_align and v.data_ptr() % 16 == 0:
+                    self.attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(v, bool):
+                self.signature[name] = "i1"
+            elif isinstance(v, int):
+                if v == 1 and not dns:
+                    # The specialisation that bit the first H200 run: the argument is gone,
+                    # the kernel body sees the Python int 1.
+                    self.signature[name] = "constexpr"
+                    self.constexprs[(i,)] = 1
+                    continue
+                if -(1 << 31) <= v < (1 << 31):
+                    self.signature[name] = "i32"
+                elif (1 << 63) <= v < (1 << 64):
+                    self.signature[name] = "u64"
+                else:
+                    self.signature[name] = "i64"
+                if not dns_align and v % 16 == 0:
+                    self.attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(v, float):
+                self.signature[name] = "fp32"
+            elif v is None:
+                self.signature[name] = "constexpr"
+                self.constexprs[(i,)] = None
+            else:
+                raise TypeError(f"{kernel.__name__}: cannot type argument {name}={v!r}")
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.kernel.__name__, tuple(sorted(self.signature.items())),
+                tuple(sorted((k, repr(v)) for k, v in self.constexprs.items())),
+                tuple(sorted((k, repr(v)) for k, v in self.attrs.items())),
+                tuple(sorted(self.options.items())))
+
+    def describe(self) -> str:
+        const = {self.kernel.arg_names[k[0]]: v for k, v in self.constexprs.items()}
+        return f"{self.kernel.__name__} {const} {self.options}"
+
+
+def compile_launch(launch: Launch, stage: str) -> None:
+    """Compile ``launch`` for sm_90 up to ``stage``; raises the compiler's error."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource, make_backend
+
+    target = GPUTarget("cuda", 90, 32)
+    src = ASTSource(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs,
+                    attrs=launch.attrs)
+    if stage == "cubin":
+        triton.compile(src, target=target, options=dict(launch.options))
+        return
+    from triton._C.libtriton import ir
+
+    backend = make_backend(target)
+    options = backend.parse_options(dict(launch.options))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    codegen_fns = backend.get_codegen_implementation(options)
+    module_map = backend.get_module_map()
+    module = src.make_ir(target, options, codegen_fns, module_map, context)
+    if stage == "ir":
+        return
+    stages: dict[str, Callable[..., Any]] = {}
+    backend.add_stages(stages, options, src.language)
+    metadata: dict[str, Any] = {}
+    for name, fn in stages.items():
+        module = fn(module, metadata)
+        if name == stage:
+            return
+
+
+# --------------------------------------------------------------------------------------------
+# Recording the launchers' launches
+# --------------------------------------------------------------------------------------------
+
+
+def record_launches(scenarios: Iterator[Callable[[], None]]) -> list[Launch]:
+    """Run each scenario with ``JITFunction.run`` patched to record instead of launching."""
+    from triton.runtime.jit import JITFunction
+
+    from gefen_kernels.ops import _dispatch
+
+    recorded: list[Launch] = []
+    seen: set[tuple[Any, ...]] = set()
+    original_run = JITFunction.run
+    original_interp = _dispatch.interpret_mode
+
+    def fake_run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launch = Launch(self, args, kwargs)
+        if launch.key() not in seen:
+            seen.add(launch.key())
+            recorded.append(launch)
+
+    JITFunction.run = fake_run  # type: ignore[method-assign]
+    _dispatch.interpret_mode = lambda: True  # CPU tensors pass the launchers' device check
+    try:
+        for scenario in scenarios:
+            scenario()
+    finally:
+        JITFunction.run = original_run  # type: ignore[method-assign]
+        _dispatch.interpret_mode = original_interp
+    return recorded
+
+
+def _codebooks() -> list[torch.Tensor]:
+    """Codebooks whose search tables need different ``STEPS`` (1, 2 and the full 8)."""
+    uniform = torch.linspace(-1.0, 1.0, 256)
+    crowded = torch.cat([torch.tensor([-1.0]), torch.linspace(-1e-3, 1e-3, 254),
+                         torch.tensor([1.0])])
+    mid = torch.cat([torch.linspace(-1.0, -0.5, 64), torch.linspace(-4e-4, 4e-4, 128),
+                     torch.linspace(0.5, 1.0, 64)])
+    return [uniform, mid, crowded]
+
+
+def scenarios() -> Iterator[Callable[[], None]]:
+    from gefen_kernels.ops import _search_table
+    from gefen_kernels.ops._step_kernels import launch_step
+    from gefen_kernels.ops.factored_step import factored_step_triton
+    from gefen_kernels.ops.multi_block_step import multi_block_step_triton
+    from gefen_kernels.ops.quantize import quantize_nearest_triton, quantize_stochastic_triton
+
+    pdtypes = (torch.float32, torch.bfloat16, torch.float16)
+    gdtypes = (torch.float32, torch.bfloat16, torch.float16)
+    cbs = _codebooks()
+    cb = cbs[0]
+
+    def block_state(nb: int, period: int) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros(nb, period, dtype=torch.uint8), torch.zeros(nb, 1),
+                torch.zeros(nb, 1))
+
+    def hp(**kw: Any) -> dict[str, Any]:
+        base = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, bc1_recip=10.0, bc2=30.0,
+                    decay=1.0, maximize=False, stochastic_round=False, seed=3, hyper=None,
+                    seed_tensor=None)
+        base.update(kw)
+        return base
+
+    # Block mode, every route, every dtype pair, the flags that are constexprs.
+    shapes = [(1, 1, None), (16, 1, None), (3, 7, None), (64, 16, None), (2, 2048, None),
+              (1, 4096, None), (5, 5003, "loop"), (160, 4096 + 16, "loop"), (2, 4099, "split"),
+              (1, 32768, "split")]
+    # Every dtype pair on one shape per route; the other shapes (the int specialisations)
+    # with bf16 parameters and gradients, as in the benchmarks.
+    dtype_shapes = {(3, 7, None), (5, 5003, "loop"), (2, 4099, "split")}
+    for (nb, period, route) in shapes:
+        pairs = ([(p, g) for p in pdtypes for g in gdtypes] if (nb, period, route) in dtype_shapes
+                 else [(torch.bfloat16, torch.bfloat16)])
+        for pdt, gdt in pairs:
+            if True:
+                def run(nb: int = nb, period: int = period, route: str | None = route,
+                        pdt: torch.dtype = pdt, gdt: torch.dtype = gdt) -> None:
+                    n = nb * period
+                    q, s, v = block_state(nb, period)
+                    for flags in ({}, {"maximize": True, "stochastic_round": True},
+                                  {"hyper": torch.ones(4), "seed_tensor": torch.ones(1,
+                                   dtype=torch.int64)}):
+                        launch_step(torch.zeros(n, dtype=pdt), torch.zeros(n, dtype=gdt), q, s,
+                                    exp_avg_sq=v, row=None, col=None, inv_rbar=None, ncols=1,
+                                    codebook=cb, route=route, **hp(**flags))
+                yield run
+    # Factored mode: the statistics kernel and the step kernels with FACTORED=True.
+    for rows, cols, period, route in [(1, 1, 1, None), (1, 16, 16, None), (7, 13, 7, None),
+                                      (64, 96, 32, None), (16, 1024, 2048, None),
+                                      (2048, 64, 1, None), (3, 5003, 5003, "loop"),
+                                      (2, 4099, 4099, "split"), (4097, 1, 1, None),
+                                      (1, 4097, 4097, None)]:
+        for pdt in (pdtypes if (rows, cols) == (7, 13) else (torch.bfloat16,)):
+            def run_f(rows: int = rows, cols: int = cols, period: int = period,
+                      route: str | None = route, pdt: torch.dtype = pdt) -> None:
+                nb = rows * cols // period
+                for flags in ({}, {"maximize": True, "stochastic_round": True},
+                              {"hyper": torch.ones(4),
+                               "seed_tensor": torch.ones(1, dtype=torch.int64)}):
+                    kw = hp(**flags)
+                    bc2 = kw.pop("bc2")
+                    q, s, _ = block_state(nb, period)
+                    if route is None:
+                        factored_step_triton(torch.zeros(rows, cols, dtype=pdt),
+                                             torch.zeros(rows, cols, dtype=torch.bfloat16), q,
+                                             s, torch.zeros(rows), torch.zeros(cols), cb,
+                                             bc2_recip=bc2, **kw)
+                    else:
+                        launch_step(torch.zeros(rows, cols, dtype=pdt),
+                                    torch.zeros(rows, cols, dtype=torch.bfloat16), q, s,
+                                    exp_avg_sq=None, row=torch.zeros(rows),
+                                    col=torch.zeros(cols), inv_rbar=torch.ones(1), ncols=cols,
+                                    codebook=cb, route=route, bc2=bc2, **kw)
+            yield run_f
+    # The search table's STEPS and the full search (STEPS=0, taken during graph capture).
+    for codebook in cbs:
+        def run_t(codebook: torch.Tensor = codebook) -> None:
+            q, s, v = block_state(4, 64)
+            launch_step(torch.zeros(256), torch.zeros(256), q, s, exp_avg_sq=v, row=None,
+                        col=None, inv_rbar=None, ncols=1, codebook=codebook, **hp())
+            launch_step(torch.zeros(256), torch.zeros(256), q, s, exp_avg_sq=v, row=None,
+                        col=None, inv_rbar=None, ncols=1, codebook=codebook, use_table=False,
+                        **hp())
+            quantize_nearest_triton(torch.zeros(1), codebook)
+            quantize_nearest_triton(torch.zeros(3, 5), codebook)
+            for xdt in (torch.float32, torch.bfloat16, torch.float16):
+                quantize_nearest_triton(torch.zeros(4096, dtype=xdt), codebook)
+                quantize_stochastic_triton(torch.zeros(4096, dtype=xdt), codebook, 5, 1)
+        yield run_t
+    # Multi-tensor launches: every (param dtype, grad dtype) and several period classes.
+    for pdt, gdt in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                     (torch.float16, torch.float32), (torch.bfloat16, torch.float16)):
+        if True:
+            def run_m(pdt: torch.dtype = pdt, gdt: torch.dtype = gdt) -> None:
+                shapes = [(1, 1), (16, 1), (3, 7), (64, 16), (2, 2048), (1, 4096), (2, 5003)]
+                params = [torch.zeros(nb * p, dtype=pdt) for nb, p in shapes]
+                grads = [torch.zeros(nb * p, dtype=gdt) for nb, p in shapes]
+                states = [block_state(nb, p) for nb, p in shapes]
+                for flags in ({}, {"maximize": True, "stochastic_round": True}):
+                    multi_block_step_triton(
+                        params, grads, [st[0] for st in states], [st[1] for st in states],
+                        [st[2] for st in states], cb, beta1=0.9, beta2=0.999, eps=1e-8,
+                        hyper=torch.ones(len(shapes), 4),
+                        seeds=torch.ones(len(shapes), dtype=torch.int64), **flags)
+            yield run_m
+    _search_table._CACHE.clear()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", choices=STAGES, default="ttgir",
+                        help="last compiler stage to run (default: ttgir; cubin needs ptxas)")
+    parser.add_argument("--list", action="store_true", help="print each configuration")
+    args = parser.parse_args(argv)
+    import triton
+
+    launches = record_launches(scenarios())
+    failures = []
+    for launch in launches:
+        if args.list:
+            print(launch.describe(), flush=True)
+        try:
+            compile_launch(launch, args.stage)
+        except Exception as exc:  # report every failing configuration, not just the first
+            failures.append((launch, exc))
+    kernels = sorted({launch.kernel.__name__ for launch in launches})
+    print(f"triton {triton.__version__}: compiled {len(launches)} configurations of "
+          f"{len(kernels)} kernels ({', '.join(kernels)}) to {args.stage} for sm_90; "
+          f"{len(failures)} failed")
+    for launch, exc in failures:
+        print(f"\nFAILED {launch.describe()}")
+        print("".join(traceback.format_exception_only(type(exc), exc))[-3000:])
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

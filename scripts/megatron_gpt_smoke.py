@@ -32,6 +32,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,8 @@ def _dataset(a: argparse.Namespace, world: int) -> Any:
     return train
 
 
-def _batches(train: Any, a: argparse.Namespace, rank: int, world: int, first_update: int):
+def _batches(train: Any, a: argparse.Namespace, rank: int, world: int,
+             first_update: int) -> Iterator[dict[str, torch.Tensor]]:
     """Micro-batches of this rank from update ``first_update`` on (a resumed run skips the
     samples the interrupted run consumed, as Megatron's sampler does)."""
     per_update = a.micro_batches * a.micro_batch_size
@@ -114,7 +116,7 @@ def _batches(train: Any, a: argparse.Namespace, rank: int, world: int, first_upd
         yield {k: torch.stack([r[k] for r in rows]).cuda(non_blocking=True) for k in rows[0]}
 
 
-def _build(a: argparse.Namespace, recipe: str, seed: int):
+def _build(a: argparse.Namespace, recipe: str, seed: int) -> tuple[Any, Any, Any, Any]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -153,21 +155,23 @@ def _build(a: argparse.Namespace, recipe: str, seed: int):
     return model, ddp, opt, sched
 
 
-def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+def _loss_func(loss_mask: torch.Tensor,
+               output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     losses = output.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum()
     return loss, {"lm loss": loss.detach()}
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> Any:
     batch = next(data_iterator)
     out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                 labels=batch["labels"])
     return out, partial(_loss_func, batch["loss_mask"])
 
 
-def _train(a, ddp, opt, sched, data, updates: int) -> list[dict[str, float]]:
+def _train(a: argparse.Namespace, ddp: Any, opt: Any, sched: Any,
+           data: Iterator[dict[str, torch.Tensor]], updates: int) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -191,11 +195,12 @@ def _train(a, ddp, opt, sched, data, updates: int) -> list[dict[str, float]]:
     return log
 
 
-def _weights(model) -> list[torch.Tensor]:
+def _weights(model: Any) -> list[torch.Tensor]:
     return [p.detach().float().cpu().clone() for p in model.parameters()]
 
 
-def _one_recipe(a, recipe: str, train, rank: int, world: int, ckdir: Path) -> dict[str, Any]:
+def _one_recipe(a: argparse.Namespace, recipe: str, train: Any, rank: int, world: int,
+                ckdir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     model, ddp, opt, sched = _build(a, recipe, seed=0)
     full = _train(a, ddp, opt, sched, _batches(train, a, rank, world, 0), a.steps)

@@ -118,13 +118,14 @@ def _count_ties(arg, tie, m: int, k: int) -> int:
 
 
 # Solver configurations: default routing; divide and conquer for every layer; certified windows
-# for every layer but the second; windows whose guessed upper bounds are too small, so most
-# rows fail the certification and go through the repair loop.
+# from layer 3 on; windows whose dense pass and guessed right ends are too small, so most rows
+# fail the certification and go through the repair loop (one row per round, no span).
 _MODES = {
     "default": {},
-    "dc": {"_DC_THRESHOLD": 0.0},
-    "windows": {"_DC_THRESHOLD": float("inf")},
-    "windows_repairs": {"_DC_THRESHOLD": float("inf"), "_GUESS_MARGIN": -3},
+    "dc": {"_DC_LAYERS": 10**9},
+    "windows": {"_DC_LAYERS": 3},
+    "windows_repairs": {"_DC_LAYERS": 3, "_DENSE_WIDTH": 1, "_GUESS_MARGIN": -3,
+                        "_REPAIR_SPAN": 1},
 }
 
 
@@ -163,6 +164,47 @@ def test_vectorised_textbook_matches_literal_loops():
         c1, cost1, _ = textbook_loops(x, w, k)
         c2, cost2 = textbook_vectorised(x, w, k)
         assert np.array_equal(c1, c2) and cost1 == cost2
+
+
+def _textbook_argmins(x: np.ndarray, w: np.ndarray, k: int) -> list[list[int]]:
+    """Leftmost argmin a[layer][j] of the textbook recurrence (loops, strict improvement)."""
+    m = len(x)
+    pw, ps1, ps2 = _prefix(x, w)
+    inf = float("inf")
+    d = [[inf] * (m + 1) for _ in range(k + 1)]
+    arg = [[0] * (m + 1) for _ in range(k + 1)]
+    d[0][0] = 0.0
+    for layer in range(1, k + 1):
+        centre = -1.0 if layer == 1 else (1.0 if layer == k else None)
+        for j in range(layer, m + 1):
+            for i in range(layer, j + 1):
+                v = d[layer - 1][i - 1] + _seg_cost(pw, ps1, ps2, i, j, centre)
+                if v < d[layer][j]:
+                    d[layer][j], arg[layer][j] = v, i
+    return arg
+
+
+def test_window_bounds_hold_on_textbook_argmins():
+    # The two facts the solver's windows rest on (codebook module docstring), checked on the
+    # textbook's own leftmost argmins, tie-heavy instances included:
+    # fact 1, a_k(j) <= a_k(j + 1); fact 2, a_{k-1}(j) <= a_k(j) for the free layers.
+    rng = np.random.default_rng(11)
+    checked = 0
+    for _ in range(120):
+        m = int(rng.integers(4, 16))
+        k = int(rng.integers(3, m + 1))
+        x, w = _random_instance(rng, m, int(rng.choice([8, 16, 2048])),
+                                int(rng.choice([1, 2, 50])))
+        a = _textbook_argmins(x, w, k)
+        # Rows that can still lead to a k-segment partition: j <= m - k + layer.
+        for layer in range(2, k):
+            for j in range(layer, m - k + layer):
+                assert a[layer][j] <= a[layer][j + 1], (x, w, k, layer, j)
+                checked += 1
+            if layer >= 3:
+                for j in range(layer, m - k + layer + 1):
+                    assert a[layer - 1][j] <= a[layer][j], (x, w, k, layer, j)
+    assert checked > 500
 
 
 def test_small_random_instances_equal_textbook_including_ties(mode):

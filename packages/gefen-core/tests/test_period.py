@@ -19,6 +19,7 @@ from gefen_core.period import (
     memory_safe_fallback,
     period_candidates,
     search_period,
+    search_periods,
 )
 
 
@@ -182,6 +183,79 @@ def test_one_period_scores_call_and_one_sync(monkeypatch: pytest.MonkeyPatch) ->
     # Every candidate with >= 4 blocks is scored in the one call (and p = 1).
     assert calls[0][0] == [p for p in brute_divisors(3072) if 3072 // p >= 4]
     assert calls[1][0] == [p for p in brute_divisors(3072) if p < 3072]
+
+
+# ------------------------------------------------------------------------------------------
+# Many tensors at once (a model's first step)
+# ------------------------------------------------------------------------------------------
+BATCH = [((64, 512), "row_scaled"), ((64, 512), "iid"), ((1,), "iid"), ((7,), "iid"),
+         ((16, 4096), "row_scaled"), ((48, 64), "col_scaled"), ((997,), "heavy"),
+         ((32, 96), "row_scaled")]
+
+
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+def test_search_periods_equals_naive_per_tensor_with_one_readback(
+        monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    grads = [make_grad(shape, seed=i, kind=kind) for i, (shape, kind) in enumerate(BATCH)]
+    shapes = [shape for shape, _ in BATCH]
+    cats = []
+    real_cat = torch.cat
+
+    def counting_cat(tensors, *args, **kwargs):
+        cats.append(len(tensors))
+        return real_cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", counting_cat)
+    got = search_periods(grads, shapes, variant=variant)
+    monkeypatch.undo()
+    # numel 1 has period 1 (§1.7.1 gate 2); the rest as the naive search.
+    assert got == [1 if g.numel() == 1 else naive_period(g, s, variant)
+                   for g, s in zip(grads, shapes)]
+    # One concatenation of every scored tensor's scores (numel 1 needs none): one host read.
+    assert cats == [len(BATCH) - 1]
+    # A non-contiguous view is searched in logical order.
+    t = make_grad((96, 32), seed=3, kind="row_scaled").t()
+    assert search_periods([t], [(32, 96)], variant=variant) == [
+        naive_period(t.contiguous(), (32, 96), variant)]
+
+
+def test_search_periods_errors_name_the_position() -> None:
+    good = torch.randn(64)
+    bad = torch.randn(64)
+    bad[5] = float("nan")
+    with pytest.raises(ValueError, match=r"grads\[1\]: grad has NaN"):
+        search_periods([good, bad], [(64,), (64,)])
+    with pytest.raises(TypeError, match=r"grads\[1\]: grad must be a real floating"):
+        search_periods([good, torch.ones(4, dtype=torch.int64)], [(64,), (4,)])
+    with pytest.raises(ValueError, match="same length"):
+        search_periods([good], [(64,), (64,)])
+    assert search_periods([], []) == []
+
+
+def test_dtensor_gradient_is_refused_with_the_fix(tmp_path) -> None:
+    # Under FSDP2 the caller must pass the local shard; the op layer cannot mix DTensor and
+    # plain tensors. A one-rank gloo group on the CPU builds a real DTensor.
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not built")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                                rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = distribute_tensor(make_grad((16, 64), seed=2, kind="row_scaled"), mesh,
+                              [Replicate()])
+        with pytest.raises(TypeError, match=r"to_local\(\)"):
+            search_period(g, (16, 64))
+        assert search_period(g.to_local(), (16, 64)) == naive_period(g.to_local(), (16, 64),
+                                                                     "log_contrast")
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------

@@ -150,6 +150,13 @@ def test_trainer_with_hybrid_llama(tmp_path, how):
     assert {g["lr"] for g in hybrid.muon.param_groups} == {2e-3}
 
 
+def test_factory_refuses_the_old_class_protocol():
+    with pytest.raises(TypeError, match="optimizers=\\(GefenMuonHybrid"):
+        GefenMuonHybridFactory([{"params": []}], lr=1e-3)
+    with pytest.raises(TypeError, match="needs the model"):
+        GefenMuonHybridFactory()([torch.zeros(2, 2)])
+
+
 # ------------------------------------------------------------------ axolotl-style factory
 
 

@@ -213,18 +213,17 @@ def scenarios() -> Iterator[Callable[[], None]]:
         pairs = ([(p, g) for p in pdtypes for g in gdtypes] if (nb, period, route) in dtype_shapes
                  else [(torch.bfloat16, torch.bfloat16)])
         for pdt, gdt in pairs:
-            if True:
-                def run(nb: int = nb, period: int = period, route: str | None = route,
-                        pdt: torch.dtype = pdt, gdt: torch.dtype = gdt) -> None:
-                    n = nb * period
-                    q, s, v = block_state(nb, period)
-                    for flags in ({}, {"maximize": True, "stochastic_round": True},
-                                  {"hyper": torch.ones(4), "seed_tensor": torch.ones(1,
-                                   dtype=torch.int64)}):
-                        launch_step(torch.zeros(n, dtype=pdt), torch.zeros(n, dtype=gdt), q, s,
-                                    exp_avg_sq=v, row=None, col=None, inv_rbar=None, ncols=1,
-                                    codebook=cb, route=route, **hp(**flags))
-                yield run
+            def run(nb: int = nb, period: int = period, route: str | None = route,
+                    pdt: torch.dtype = pdt, gdt: torch.dtype = gdt) -> None:
+                n = nb * period
+                q, s, v = block_state(nb, period)
+                for flags in ({}, {"maximize": True, "stochastic_round": True},
+                              {"hyper": torch.ones(4), "seed_tensor": torch.ones(1,
+                               dtype=torch.int64)}):
+                    launch_step(torch.zeros(n, dtype=pdt), torch.zeros(n, dtype=gdt), q, s,
+                                exp_avg_sq=v, row=None, col=None, inv_rbar=None, ncols=1,
+                                codebook=cb, route=route, **hp(**flags))
+            yield run
     # Factored mode: the statistics kernel and the step kernels with FACTORED=True.
     for rows, cols, period, route in [(1, 1, 1, None), (1, 16, 16, None), (7, 13, 7, None),
                                       (64, 96, 32, None), (16, 1024, 2048, None),
@@ -271,19 +270,18 @@ def scenarios() -> Iterator[Callable[[], None]]:
     # Multi-tensor launches: every (param dtype, grad dtype) and several period classes.
     for pdt, gdt in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                      (torch.float16, torch.float32), (torch.bfloat16, torch.float16)):
-        if True:
-            def run_m(pdt: torch.dtype = pdt, gdt: torch.dtype = gdt) -> None:
-                shapes = [(1, 1), (16, 1), (3, 7), (64, 16), (2, 2048), (1, 4096), (2, 5003)]
-                params = [torch.zeros(nb * p, dtype=pdt) for nb, p in shapes]
-                grads = [torch.zeros(nb * p, dtype=gdt) for nb, p in shapes]
-                states = [block_state(nb, p) for nb, p in shapes]
-                for flags in ({}, {"maximize": True, "stochastic_round": True}):
-                    multi_block_step_triton(
-                        params, grads, [st[0] for st in states], [st[1] for st in states],
-                        [st[2] for st in states], cb, beta1=0.9, beta2=0.999, eps=1e-8,
-                        hyper=torch.ones(len(shapes), 4),
-                        seeds=torch.ones(len(shapes), dtype=torch.int64), **flags)
-            yield run_m
+        def run_m(pdt: torch.dtype = pdt, gdt: torch.dtype = gdt) -> None:
+            shapes = [(1, 1), (16, 1), (3, 7), (64, 16), (2, 2048), (1, 4096), (2, 5003)]
+            params = [torch.zeros(nb * p, dtype=pdt) for nb, p in shapes]
+            grads = [torch.zeros(nb * p, dtype=gdt) for nb, p in shapes]
+            states = [block_state(nb, p) for nb, p in shapes]
+            for flags in ({}, {"maximize": True, "stochastic_round": True}):
+                multi_block_step_triton(
+                    params, grads, [st[0] for st in states], [st[1] for st in states],
+                    [st[2] for st in states], cb, beta1=0.9, beta2=0.999, eps=1e-8,
+                    hyper=torch.ones(len(shapes), 4),
+                    seeds=torch.ones(len(shapes), dtype=torch.int64), **flags)
+        yield run_m
     _search_table._CACHE.clear()
 
 

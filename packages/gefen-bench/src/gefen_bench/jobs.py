@@ -126,13 +126,12 @@ def run_job(job: dict[str, Any], *, on_event: EventHandler | None = None,
 
 def run_jobs(jobs: list[dict[str, Any]], *, parallel: int = 1,
              on_event: EventHandler | None = None, timeout_s: float | None = None,
-             threads: int | None = None) -> list[JobOutcome]:
-    """Run ``jobs`` (each in its own process), ``parallel`` at a time; results in job order."""
-    if parallel <= 1:
-        return [run_job(j, on_event=on_event, timeout_s=timeout_s, threads=threads)
-                for j in jobs]
-    from concurrent.futures import ThreadPoolExecutor
+             threads: int | None = None,
+             on_done: Callable[[int, JobOutcome], None] | None = None) -> list[JobOutcome]:
+    """Run ``jobs`` (each in its own process), ``parallel`` at a time; results in job order.
 
+    ``on_done(index, outcome)`` is called (in this thread, one at a time) as each job ends.
+    """
     lock = threading.Lock()
 
     def locked(event: dict[str, Any]) -> None:
@@ -140,7 +139,17 @@ def run_jobs(jobs: list[dict[str, Any]], *, parallel: int = 1,
             with lock:
                 on_event(event)
 
+    def one(index: int) -> JobOutcome:
+        out = run_job(jobs[index], on_event=locked, timeout_s=timeout_s, threads=threads)
+        if on_done is not None:
+            with lock:
+                on_done(index, out)
+        return out
+
+    if parallel <= 1:
+        return [one(i) for i in range(len(jobs))]
+    from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        futures = [pool.submit(run_job, j, on_event=locked, timeout_s=timeout_s,
-                               threads=threads) for j in jobs]
+        futures = [pool.submit(one, i) for i in range(len(jobs))]
         return [f.result() for f in futures]

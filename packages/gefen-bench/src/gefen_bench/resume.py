@@ -58,7 +58,7 @@ def tiny_config(family: str = "llama") -> Any:
     """A tiny causal-LM config with tied input/output embeddings (no download)."""
     from transformers import LlamaConfig, Qwen3Config
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, pad_token_id=257,
@@ -321,7 +321,7 @@ def _train_once(recipe: str, o: argparse.Namespace, out: Path, world_size: int, 
     )
     if given is None:
         trainer.create_optimizer()
-    opt = trainer.optimizer
+    opt: Any = trainer.optimizer
     opt.register_step_post_hook(lambda *_: counter.__setitem__("steps", counter["steps"] + 1))
     trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     checks = []
@@ -333,8 +333,8 @@ def _train_once(recipe: str, o: argparse.Namespace, out: Path, world_size: int, 
         checks.append("the optimizer was wrapped more than once")
     if given is not None and opt is not given:
         checks.append("the Trainer did not use the optimizer passed in optimizers=")
-    live = trainer.model_wrapped if hasattr(trainer, "model_wrapped") else trainer.model
-    module = getattr(live, "module", live)
+    live: Any = trainer.model_wrapped if hasattr(trainer, "model_wrapped") else trainer.model
+    module: Any = getattr(live, "module", live)
     if world_size > 1 and (trainer.args.world_size != world_size or not isinstance(
             live, torch.nn.parallel.DistributedDataParallel)):
         checks.append(f"the Trainer did not train with DDP over {world_size} ranks "
@@ -354,7 +354,7 @@ def _train_once(recipe: str, o: argparse.Namespace, out: Path, world_size: int, 
         logs=logs,
         model_sd={k: v.detach().clone() for k, v in module.state_dict().items()},
         optim_sd=opt.state_dict(),
-        sched_sd=trainer.lr_scheduler.state_dict(),
+        sched_sd=trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else {},
         steps=counter["steps"],
         checks=checks,
     )

@@ -334,13 +334,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     lrs[t][n] = sweeps[t][n]["best_lr"]
                     lr_source[t][n] = "--lr-sweep"
         pairs = [(t, n) for t in tasks for n in runnable]
-        if args.jobs > 1:
-            outcomes = run_jobs([_job(t, n, lrs[t][n], configs[t], args, device, targets)
-                                 for t, n in pairs], parallel=args.jobs, on_event=bars,
-                                timeout_s=args.timeout, threads=args.threads)
-        for k, (t, n) in enumerate(pairs):
-            out = (outcomes[k] if args.jobs > 1 else
-                   _run(_job(t, n, lrs[t][n], configs[t], args, device, targets), bars, args))
+
+        def record(k: int, out: JobOutcome) -> None:
+            t, n = pairs[k]
             wall[f"{t}/{n}"] = out.wall_s
             if out.status == "ok" and out.result is not None:
                 out.result["lr_source"] = lr_source[t][n]
@@ -357,6 +353,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "lr": lrs, "lr_source": lr_source, "skipped": skipped,
                         "failed": failed, "results": results},
                        seeds=[args.seed, args.data_seed], argv=getattr(args, "argv", None))
+
+        run_jobs([_job(t, n, lrs[t][n], configs[t], args, device, targets) for t, n in pairs],
+                 parallel=args.jobs, on_event=bars, timeout_s=args.timeout,
+                 threads=args.threads, on_done=record)
+    # Report in the registry's order whatever order the runs finished in.
+    results = {t: {n: results[t][n] for n in runnable if n in results[t]} for t in tasks}
     total_wall = time.perf_counter() - start
     verdicts = _verdicts(results)
     _print_tables(results, skipped, failed, verdicts)

@@ -2,7 +2,9 @@
 byte of optimizer state per parameter.
 
 Public API: :class:`Gefen` (the ``torch.optim.Optimizer``) and :func:`gefen` (the functional
-step over tensor lists). The fused per-tensor ops come from ``gefen_kernels``, whose
+step over tensor lists); :class:`GefenMuon` (Muon with Gefen's quantized momentum) and
+:class:`GefenMuonHybrid` (Muon for hidden matrices, Gefen or AdamW for the rest), with
+:func:`split_params_for_muon` / :func:`validate_split` for the routing. The fused per-tensor ops come from ``gefen_kernels``, whose
 ``KERNEL_API_VERSION`` is checked here at import.
 """
 
@@ -31,6 +33,18 @@ def _check_kernel_api() -> None:
 _check_kernel_api()
 
 from .functional import gefen  # noqa: E402
+from .hybrid import GefenMuonHybrid  # noqa: E402
+from .muon import GefenMuon  # noqa: E402
 from .optimizer import Gefen  # noqa: E402
+from .routing import split_params_for_muon, validate_split  # noqa: E402
 
-__all__ = ["Gefen", "KERNEL_API_RANGE", "__version__", "gefen"]
+__all__ = [
+    "KERNEL_API_RANGE",
+    "Gefen",
+    "GefenMuon",
+    "GefenMuonHybrid",
+    "__version__",
+    "gefen",
+    "split_params_for_muon",
+    "validate_split",
+]

@@ -37,6 +37,16 @@ def is_dtensor(t: Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+def local(t: Tensor) -> Tensor:
+    """The tensor Gefen steps: a DTensor's local shard (§0.3), else the tensor itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def local_numel(t: Tensor) -> int:
+    """Elements of the local shard (the state geometry of a DTensor parameter, §1.5)."""
+    return local(t).numel()
+
+
 def is_factored(param: Tensor, group: dict[str, Any]) -> bool:
     """Factored second moment (§1.11) for plain 2-D tensors when ``factored_v_2d`` is set;
     sharded (DTensor) matrices use block mode, since local row/column statistics are wrong."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from . import _params
+from . import _dispatch, _params
 
 if TYPE_CHECKING:
     from .optimizer import Gefen
@@ -160,7 +160,7 @@ def _stage_entry(entry: Any, p: Tensor, name: str, capturable: bool) -> dict[str
         raise _err(f"state[{name!r}] has {sorted(initialised)} without both exp_avg_codes and "
                    "exp_avg_scale")
     out: dict[str, Any] = {}
-    n = p.numel()
+    n = _dispatch.local_numel(p)
     if "period" in keys:
         period = entry["period"]
         if not isinstance(period, int) or isinstance(period, bool) or period < 1 \

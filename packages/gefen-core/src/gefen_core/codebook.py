@@ -21,52 +21,65 @@ and the textbook recurrence is ``D[k][j] = min_{i=k..j} D[k-1][i-1] + cost_k(i, 
 How this module solves it (exact, numpy only)
 ---------------------------------------------
 Every candidate value is computed with exactly the expressions above, in the same order, so
-each value this solver looks at is bit-identical to the textbook's. What changes is which
-candidates are looked at. Two facts of the exact arithmetic make the skipped ones irrelevant:
+each value this solver looks at is bit-identical to the textbook's; within a row candidates are
+merged left to right replacing only on strict improvement, as the textbook scans. What changes
+is which candidates are looked at. Write ``a_k(j)`` for the textbook's choice (the *leftmost*
+minimiser of row ``j`` of layer ``k``). Two facts of the exact arithmetic are used:
 
-1. Row monotonicity. For a fixed layer ``k`` the matrix ``A[j][i] = D[k-1][i-1] + cost(i, j)``
-   is Monge (the free 1-D k-means cost satisfies the quadrangle inequality; the fixed-centre
-   cost is additive, so it does too), hence the *leftmost* argmin ``a_k(j)`` is non-decreasing
-   in ``j``, and ``a_k(j) <= a_k(j+1)`` holds for the leftmost argmins.
-2. Layer monotonicity. ``a_{k-1}(j) <= a_k(j)`` for the free layers ``3 <= k <= K-1``: a
-   path-exchange argument shows ``D_{k-2}(j) - D_{k-1}(j)`` is non-decreasing in ``j`` (the
-   first, fixed-centre segment takes part in the exchange through the inequality
-   ``fixed(0, c) + free(b, d) <= fixed(0, d) + free(b, c)`` for ``b < c < d``, true because
-   ``-1`` is left of every point in ``[-1, 1]``), and a leftmost argmin that moved left would
-   contradict it.
+1. Row monotonicity, ``a_k(j) <= a_k(j + 1)``. For a fixed layer the matrix
+   ``A[j][i] = D[k-1][i-1] + cost(i, j)`` is Monge: the free 1-D k-means cost satisfies the
+   quadrangle inequality ``c(i, j) + c(i', j') <= c(i, j') + c(i', j)`` for ``i <= i' <= j <= j'``
+   (the weighted variance of a union of overlapping intervals), and the fixed-centre cost is a
+   difference of prefix sums (additive), so it satisfies it with equality. If the leftmost
+   minimiser of row ``j + 1`` were ``i < a_k(j) = i'``, the inequality
+   ``A[j][i] + A[j+1][i'] <= A[j][i'] + A[j+1][i]`` with ``A[j][i] > A[j][i']`` (``i`` is left
+   of the leftmost minimiser of row ``j``) would give ``A[j+1][i'] < A[j+1][i]``, a
+   contradiction.
+2. Layer monotonicity, ``a_{k-1}(j) <= a_k(j)`` for ``3 <= k <= K - 1``: a path-exchange argument
+   shows ``D_{k-2}(j) - D_{k-1}(j)`` is non-decreasing in ``j`` (the first, fixed-centre segment
+   takes part in the exchange through ``fixed(0, c) + free(b, d) <= fixed(0, d) + free(b, c)``
+   for ``b < c < d``, true because ``-1`` is left of every point in ``[-1, 1]``), and a leftmost
+   argmin that moved left would contradict it. (Knuth's bound for optimal partitions.)
 
-Per layer the solver evaluates each row ``j`` on a window ``[L(j), U(j)]`` and returns the
-leftmost minimum inside it. ``L(j) = a_{k-1}(j)`` is a proven lower bound (fact 2). ``U(j)``
-starts as a guess extrapolated from the two previous layers (boundaries drift by about one row
-per layer); the layer is accepted only when ``U(j) >= a_k(j+1)`` holds for every row, the top
-row being scanned in full. By induction from the top row and fact 1 every window then contains
-the leftmost argmin, so the window's leftmost minimum *is* the textbook's choice and its value
-is the textbook's ``D[k][j]``. Rows that fail the check have their windows widened to the
-certified bound ``a_k(j+1)`` (and so do the few rows just below them, for which the same bound
-holds) and only the new candidates are scanned, replacing on strict improvement (the new
-candidates lie to the right, so ties still keep the smallest ``i``), until no row fails. The
-guess only affects speed. Early layers, whose windows from fact 2 would be wide, use a
-level-synchronous divide-and-conquer over rows instead (fact 1 plus the same lower bound):
-each level scans the middle rows of all open row ranges in one vectorised pass. The last layer
-is a single row (``j = M``), scanned in full. Backtracking follows the stored argmins, as the
-textbook does. Scans use a ``[width, rows]`` array when the windows have similar widths and a
-ragged layout with segmented reductions otherwise.
+``tests/test_codebook.py`` checks both facts on the textbook's own argmin tables.
 
-Floating point: the recurrence is a minimum over bit-identical values, so the solver's
-``D[k][j]`` equals the textbook's whenever the window holds a textbook minimiser. The facts above
-are statements about exact arithmetic; the two can only disagree where distinct candidates are
-equal up to rounding (a near-tie decided by the last bit), and then the optimum differs from the
-textbook's by rounding only. Exact ties (equal fp64 values) resolve to the smallest ``i`` on both.
+Certified windows. Let row ``j`` of layer ``k`` be scanned over a window ``[lo(j), hi(j)]`` with
+``lo(j) <= a_k(j)`` known (``lo = a_{k-1}(j)``, fact 2; the bottom row has a single candidate),
+and let ``b(j)`` be the window's leftmost minimiser. If the top row's window reaches ``j`` and
+every other row has ``hi(j) >= b(j + 1)`` or ``hi(j) = j``, then ``b = a`` on every row. Proof,
+from the top row down: the top row's window holds every candidate right of ``lo``, so
+``b = a`` there. If ``b(j + 1) = a(j + 1)`` then ``a(j) <= a(j + 1) <= hi(j)`` (fact 1) and
+``a(j) >= lo(j)``, so ``a(j)`` lies in the window; the window's minimum is then the row's
+minimum, and a window position left of ``a(j)`` holding it would contradict ``a(j)`` being the
+leftmost minimiser, so ``b(j) = a(j)``. The window's minimum value is the textbook's
+``D[k][j]`` bit for bit.
+
+Per layer the solver (a) scans ``_DENSE_WIDTH`` candidates from ``lo`` for every row in one
+``[width, rows]`` pass (a handful of vectorised numpy calls), (b) extends the rows whose guessed
+right end is further (the guess extrapolates the two previous layers' argmins; boundaries drift
+by about a row per layer) with one ragged pass, and (c) checks the condition above, widening
+failing rows to ``b(j + 1)`` (and the rows just below them, whose bound it also is) and scanning
+only the new candidates, replacing on strict improvement (new candidates lie to the right, so
+ties still keep the smallest ``i``), until no row fails. Windows only grow, so this terminates;
+at the end the condition holds, so the result is the textbook's. The guess only affects speed.
+Early layers, whose lower bounds from fact 2 are far from the argmins, use a level-synchronous
+divide and conquer over rows instead (fact 1 plus the same lower bound): each level scans the
+middle rows of all open row ranges in one ragged pass. The last layer is a single row
+(``j = M``), scanned in full. Backtracking follows the stored argmins, as the textbook does.
+
+Floating point: facts 1 and 2 are statements about exact arithmetic; the computed values carry
+rounding, so the two can only disagree where distinct candidates are equal up to rounding (a
+near-tie decided by the last bit), and then the optimum differs from the textbook's by rounding
+only. Exact ties (equal fp64 values) resolve to the smallest ``i`` on both.
 ``tests/test_codebook.py`` checks codebook, cost and tie choices against the textbook recurrence.
 
-Cost: for ``M = 4096``, ``K = 256`` about 5 candidates per row and layer after the first ~15
-layers (about 7 million candidate evaluations in all, against the textbook's 2e9) in about 100
+Cost: for ``M = 4096``, ``K = 256`` about 2-4 candidates per row and layer after the first ~24
+layers (about 4.8 million candidate evaluations in all, against the textbook's 2e9) in about 40
 numpy calls per layer; ``gefen-bench codebook`` prints the measured time.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -90,9 +103,9 @@ ArrayLike = Tensor | np.ndarray | Sequence[float]
 
 # Layers k < _DC_LAYERS use divide and conquer (their proven lower bounds are far from the
 # argmins); later layers use windows. Only speed depends on these constants.
-_DC_LAYERS = 12
+_DC_LAYERS = 24
 # Every row of a window layer scans this many candidates from its lower bound in one dense pass.
-_DENSE_WIDTH = 3
+_DENSE_WIDTH = 4
 # Guess of the window's right end: a1 + max(a1 - a2, 0) + _GUESS_MARGIN with a1, a2 the argmins
 # of the two previous layers _GUESS_AHEAD rows further up (boundaries drift up by about one row
 # per layer). Correctness comes from the certification, never from the guess.

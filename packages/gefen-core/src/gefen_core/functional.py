@@ -308,16 +308,17 @@ def _plan_for(
 
 
 def _device_hypers(
-    state_steps: Sequence[Tensor], exp_avg_sq_steps: Sequence[Tensor], factored: Tensor, *,
+    state_steps: Sequence[Tensor], exp_avg_sq_steps: Sequence[Tensor], *, factored: bool,
     lr: float | Tensor, beta1: float, beta2: float, weight_decay: float,
 ) -> Tensor:
-    """:func:`_device_hyper` for every tensor at once: fp32 ``[n, 4]``, the same elementwise
-    fp64 operations (so the same bits), a handful of launches instead of ~10 per tensor."""
-    t = torch.stack(list(state_steps)).to(torch.float64)
-    tv = torch.stack(list(exp_avg_sq_steps)).to(torch.float64)
+    """:func:`_device_hyper` for many tensors of one mode at once: fp32 ``[n, 4]``, the same
+    elementwise fp64 operations (so the same bits), a handful of launches instead of ~10 per
+    tensor, nothing copied from the host (CUDA-graph capturable)."""
+    t = torch.stack([s.reshape(()) for s in state_steps]).to(torch.float64)
+    tv = torch.stack([s.reshape(()) for s in exp_avg_sq_steps]).to(torch.float64)
     bc1_recip = 1.0 / (1.0 - torch.pow(beta1, t))
     b2 = 1.0 - torch.pow(beta2, tv)
-    bc2 = torch.where(factored, 1.0 / b2, torch.rsqrt(b2))
+    bc2 = 1.0 / b2 if factored else torch.rsqrt(b2)
     if isinstance(lr, Tensor):
         lr64 = lr.detach().reshape(()).to(device=t.device, dtype=torch.float64)
     else:
@@ -339,20 +340,31 @@ def _planned_gefen(
     from gefen_kernels._numerics import f32
 
     n = len(params)
-    torch._foreach_add_(list(state_steps), 1)
-    torch._foreach_add_(list(exp_avg_sq_steps), 1)
+    counters = list(state_steps) + list(exp_avg_sq_steps)
+    if all(c.device == counters[0].device for c in counters):
+        torch._foreach_add_(counters, 1)
+    else:
+        torch._foreach_add_(list(state_steps), 1)
+        torch._foreach_add_(list(exp_avg_sq_steps), 1)
     factored_flags = [sq is None for sq in exp_avg_sqs]
-    hyper: Tensor | None = None
+    hypers: list[Tensor] = []
     host: list[tuple[float, float, float, float]] = []
     if capturable:
-        mask = torch.tensor(factored_flags, device=params[0].device)
-        hyper = _device_hypers(state_steps, exp_avg_sq_steps, mask, lr=lr, beta1=beta1,
-                               beta2=beta2, weight_decay=weight_decay)
+        hypers = [None] * n  # type: ignore[list-item]
+        for mode in (False, True):
+            idx = [i for i in range(n) if factored_flags[i] == mode]
+            if not idx:
+                continue
+            rows_ = _device_hypers([state_steps[i] for i in idx],
+                                   [exp_avg_sq_steps[i] for i in idx], factored=mode, lr=lr,
+                                   beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+            for j, i in enumerate(idx):
+                hypers[i] = rows_[j]
     else:
         host_lr = _host_lr(lr)
         # One read of every counter (CPU tensors in the optimizer: no device sync).
-        ts = torch.stack([s.reshape(()) for s in state_steps]).tolist()
-        tvs = torch.stack([s.reshape(()) for s in exp_avg_sq_steps]).tolist()
+        ts = _read_counters(state_steps)
+        tvs = _read_counters(exp_avg_sq_steps)
         cache: dict[tuple[float, float, bool], tuple[float, float, float, float]] = {}
         for t, tv, fac in zip(ts, tvs, factored_flags):
             key = (t, tv, fac)
@@ -373,7 +385,7 @@ def _planned_gefen(
         if not param.is_contiguous():
             # The ops' path keeps its contiguous work copy and copy-back.
             _apply_one_fused(i, param, grad, exp_avg_codes[i], exp_avg_scales[i], sq, row, col,
-                             host[i] if host else None, None if hyper is None else hyper[i],
+                             host[i] if host else None, hypers[i] if hypers else None,
                              codebook=codebook, beta1=beta1, beta2=beta2, eps=eps,
                              maximize=maximize, stochastic_round=stochastic_round, seed=seed,
                              seed_tensor=seed_tensor)
@@ -381,12 +393,20 @@ def _planned_gefen(
         plan = _plan_for(param, exp_avg_codes[i], exp_avg_scales[i], sq, row, col, codebook,
                          options)
         g = grad if grad.is_contiguous() else grad.contiguous()
-        if hyper is not None:
-            plan.launch(g, lr=0.0, bc1_recip=0.0, bc2=0.0, decay=1.0, seed=0, hyper=hyper[i],
+        if hypers:
+            plan.launch(g, lr=0.0, bc1_recip=0.0, bc2=0.0, decay=1.0, seed=0, hyper=hypers[i],
                         seed_tensor=seed_tensor)
         else:
             lr32, bc1_32, bc2_32, decay32 = host[i]
             plan.launch(g, lr=lr32, bc1_recip=bc1_32, bc2=bc2_32, decay=decay32, seed=seed)
+
+
+def _read_counters(counters: Sequence[Tensor]) -> list[float]:
+    """Every counter's value in one read when they share a device (CPU in the optimizer)."""
+    first = counters[0].device
+    if all(c.device == first for c in counters):
+        return torch.stack([c.reshape(()) for c in counters]).tolist()
+    return [float(c.item()) for c in counters]
 
 
 def _apply_one_fused(

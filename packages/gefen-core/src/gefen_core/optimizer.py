@@ -340,8 +340,7 @@ class Gefen(Optimizer):
 
     def _select_period(self, param: Tensor, grad: Tensor, name: str, group: dict[str, Any]) -> int:
         """§1.7.1 gates in order, then :meth:`_search_period`."""
-        n = param.numel()
-        if n == 1:
+        if param.numel() == 1:
             return 1
         if group["force_1d_period_one"] and param.ndim == 1:
             return 1
@@ -351,6 +350,9 @@ class Gefen(Optimizer):
             return 1
         g = grad if grad.is_contiguous() else grad.contiguous()
         period = self._search_period(g, tuple(param.shape), group["period_search"])
+        # The period is state geometry: it must divide the elements actually stepped (a
+        # DTensor's local shard), not only the global numel.
+        n = grad.numel()
         if period < 1 or n % period:
             raise RuntimeError(f"Gefen: period search returned {period} for {name!r} (numel {n})")
         return period
@@ -453,7 +455,7 @@ class Gefen(Optimizer):
                     f"{p.device}; move the gradient to the parameter's device")
             if not g.is_floating_point():
                 raise RuntimeError(f"Gefen: gradient of {name!r} has dtype {g.dtype}")
-            entries.append((group, p, g, name))
+            entries.append((group, p, _dispatch.local(g), name))
         return entries
 
     def _host_lr(self, lr: float | Tensor) -> float:
@@ -496,7 +498,7 @@ class Gefen(Optimizer):
             if "period" not in state:
                 state["period"] = periods[p]
             period = state["period"]
-            blocks = p.numel() // period
+            blocks = _dispatch.local_numel(p) // period
             dev = g.device
             step_dev = dev if capturable else torch.device("cpu")
             if "exp_avg_codes" not in state:
@@ -523,10 +525,12 @@ class Gefen(Optimizer):
                 state["exp_avg_sq"] = torch.zeros(blocks, 1, dtype=torch.float32, device=dev)
                 state["exp_avg_sq_step"] = torch.zeros((), dtype=torch.float32, device=step_dev)
             path = _dispatch.choose_path(p, group, deterministic=self._deterministic)
-            lists = by_path.setdefault(path, {k: [] for k in (
-                "params", "grads", "codes", "scales", "sqs", "rows", "cols", "steps",
-                "sq_steps", "seeds", "seed_tensors", "codebooks")})
-            lists["params"].append(p)
+            lists = by_path.get(path)
+            if lists is None:  # not setdefault: its default dict would be built per tensor
+                lists = by_path[path] = {k: [] for k in (
+                    "params", "grads", "codes", "scales", "sqs", "rows", "cols", "steps",
+                    "sq_steps", "seeds", "seed_tensors", "codebooks")}
+            lists["params"].append(_dispatch.local(p))
             lists["grads"].append(g)
             lists["codes"].append(state["exp_avg_codes"])
             lists["scales"].append(state["exp_avg_scale"])
@@ -574,7 +578,7 @@ class Gefen(Optimizer):
         if inv_scale is not None:
             _amp.unscale_([g for _, _, g, _ in entries], inv_scale)
 
-        live = [e for e in entries if e[1].numel() > 0]
+        live = [e for e in entries if _dispatch.local_numel(e[1]) > 0]
         periods: dict[Tensor, int] = {}
         if self._codebook is None:
             if live:
@@ -724,6 +728,9 @@ class Gefen(Optimizer):
 
 
 def _split_by_device(lists: dict[str, list[Any]]) -> list[dict[str, list[Any]]]:
+    params = lists["params"]
+    if params and all(p.device == params[0].device for p in params):
+        return [lists]  # the usual case: no per-element regrouping
     devices: dict[torch.device, dict[str, list[Any]]] = {}
     n = len(lists["params"])
     for i in range(n):

@@ -3,9 +3,15 @@
 :func:`search_period` scores every candidate period of a gradient with one call of the
 ``gefen_kernels`` op ``period_scores`` (one pass of chunked fp64 prefix sums over the tensor, no
 pass and no host sync per candidate) and reads the scores back with a single device-to-host
-copy; the decision rules run on the host. The op dispatches on the gradient's device at every
-call (CUDA: Triton when available, else the PyTorch reference); nothing about the backend is
-remembered between calls (§8 item 16).
+copy; the decision rules run on the host. :func:`search_periods` does the same for many
+tensors (a whole model's first step) with one device-to-host copy per device in all.
+
+Determinism (§1.7.6, §1.15): the scores are computed with fixed-order reductions on every
+backend (the op has no atomics), so there is no separate deterministic mode: the same gradient on
+the same device gives the same scores bit for bit, hence the same period, and
+``deterministic=True`` needs nothing more from this module. The op dispatches on the
+gradient's device at every call (CUDA: Triton when available, else the PyTorch reference);
+nothing about the backend is remembered between calls (§8 item 16).
 
 The force gates of §1.7.1 (numel 0 or 1, ``force_1d_period_one``, ``force_2d_period_one``,
 ``period_one_substrings``) belong to the optimizer, which calls :func:`search_period` after them.
@@ -14,11 +20,13 @@ The force gates of §1.7.1 (numel 0 or 1, ``force_1d_period_one``, ``force_2d_pe
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from gefen_kernels.ops.period_scores import VARIANTS, period_scores
+from gefen_kernels.ops.period_scores import VARIANTS, period_scores, reject_dtensor
 
 __all__ = [
     "FALLBACK_CAP",
@@ -26,6 +34,7 @@ __all__ = [
     "memory_safe_fallback",
     "period_candidates",
     "search_period",
+    "search_periods",
 ]
 
 # Appendix A constants.
@@ -141,14 +150,80 @@ def _variance_choice(cands: list[int], scores: list[float]) -> int:
     return 1 if best_p < MIN_PERIOD_VARIANCE else best_p
 
 
+@dataclass
+class _Plan:
+    """One tensor's search: what to score and how to decide (host-side values only)."""
+
+    numel: int
+    shape: tuple[int, ...]
+    variant: str
+    cands: list[int]        # the candidates the rules look at
+    scored: list[int]       # the candidates scored (log_contrast always scores p = 1)
+
+
+def _check_grad(grad: object, variant: str) -> None:
+    if not isinstance(grad, Tensor):
+        raise TypeError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
+    reject_dtensor("grad", grad)
+    if not grad.is_floating_point() or grad.is_complex():
+        raise TypeError(f"grad must be a real floating-point tensor, got {grad.dtype}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def _plan(grad: Tensor, shape: object, variant: str) -> _Plan:
+    numel = grad.numel()
+    _check_numel(numel)
+    checked = _check_shape(shape)
+    if numel == 1:
+        return _Plan(numel, checked, variant, [], [])
+    divisors = period_candidates(numel)
+    if variant == "log_contrast":
+        cands = [p for p in divisors if numel // p >= MIN_BLOCKS_LOG_CONTRAST]
+        # p = 1 is always scored: its score covers every element, so a non-finite gradient
+        # shows up even when no candidate has 4 blocks.
+        scored = cands if cands and cands[0] == 1 else [1] + cands
+    else:
+        cands = scored = divisors
+    return _Plan(numel, checked, variant, cands, scored)
+
+
+def _launch(grad: Tensor, plan: _Plan) -> Tensor:
+    """The scores on ``grad``'s device (float64 ``[len(plan.scored)]``); no host sync."""
+    return period_scores(grad.detach().contiguous(),
+                         torch.tensor(plan.scored, dtype=torch.int64), plan.variant)
+
+
+def _decide(plan: _Plan, scores: list[float], fallback: bool) -> int:
+    if plan.numel == 1:
+        return 1
+    if not all(math.isfinite(s) for s in scores):
+        raise ValueError(
+            f"grad has NaN or Inf values (the {plan.variant} period scores are not finite"
+            + (", or a value's square overflows fp32" if plan.variant == "log_contrast" else "")
+            + "); the block period can only be learned from a finite gradient")
+    if plan.variant == "log_contrast":
+        scores = scores[len(plan.scored) - len(plan.cands):]
+        period = _round_large_period(_log_contrast_choice(plan.cands, scores))
+    else:
+        period = _variance_choice(plan.cands, scores)
+    if period == 1 and fallback:
+        period = memory_safe_fallback(plan.numel, plan.shape)
+    return period
+
+
 def search_period(grad: Tensor, shape: tuple[int, ...], *, variant: str = "log_contrast",
                   fallback: bool = True) -> int:
     """Block period ``P`` of a parameter from its gradient (§1.7.2 / §1.7.3, then §1.7.4).
 
+    One pass over the gradient and one device-to-host sync. The scores use fixed-order
+    reductions on every backend, so the result is deterministic (module docstring); this is the
+    path ``deterministic=True`` asks for (§1.7.6).
+
     Args:
         grad: the (local) gradient, any real float dtype and device, ``N >= 1`` elements, taken
             in logical row-major order (a non-contiguous view is copied once by
-            ``.contiguous()``).
+            ``.contiguous()``). Under FSDP2 pass the local shard (``grad.to_local()``).
         shape: the parameter's (global) shape, used by the fallback's row-length candidate.
         variant: ``"log_contrast"`` (Variant L, the paper's search: adjacent block log-mean
             contrast, peaks with at least 4 blocks and ``p > 8``, largest peak, ``P > 1024``
@@ -161,43 +236,70 @@ def search_period(grad: Tensor, shape: tuple[int, ...], *, variant: str = "log_c
         ``P``, a divisor of ``N`` (``1 <= P <= N``; ``P = N`` only through the fallback).
 
     Raises:
-        TypeError: ``grad`` is not a real float tensor, or ``shape`` is malformed.
+        TypeError: ``grad`` is not a real float tensor (or is a DTensor: pass
+            ``grad.to_local()``), or ``shape`` is malformed.
         ValueError: ``N = 0``, an unknown ``variant``, or a gradient with NaN/Inf values (or,
             for Variant L, values whose square overflows fp32). The optimizer decides what a
             non-finite first-step gradient means (open choice O9); this function only refuses it.
     """
-    if not isinstance(grad, Tensor):
-        raise TypeError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
-    if not grad.is_floating_point() or grad.is_complex():
-        raise TypeError(f"grad must be a real floating-point tensor, got {grad.dtype}")
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    shape = _check_shape(shape)
-    numel = grad.numel()
-    _check_numel(numel)
-    if numel == 1:
-        return 1
-    divisors = period_candidates(numel)
-    if variant == "log_contrast":
-        cands = [p for p in divisors if numel // p >= MIN_BLOCKS_LOG_CONTRAST]
-        # p = 1 is always scored: its score covers every element, so a non-finite gradient
-        # shows up even when no candidate has 4 blocks.
-        scored = cands if cands and cands[0] == 1 else [1] + cands
-    else:
-        cands = scored = divisors
-    scores_dev = period_scores(grad.detach().contiguous(),
-                               torch.tensor(scored, dtype=torch.int64), variant)
-    scores = scores_dev.tolist()  # the one device -> host sync
-    if not all(math.isfinite(s) for s in scores):
-        raise ValueError(
-            f"grad has NaN or Inf values (the {variant} period scores are not finite"
-            + (", or a value's square overflows fp32" if variant == "log_contrast" else "")
-            + "); the block period can only be learned from a finite gradient")
-    if variant == "log_contrast":
-        scores = scores[len(scored) - len(cands):]
-        period = _round_large_period(_log_contrast_choice(cands, scores))
-    else:
-        period = _variance_choice(cands, scores)
-    if period == 1 and fallback:
-        period = memory_safe_fallback(numel, shape)
-    return period
+    return search_periods([grad], [shape], variant=variant, fallback=fallback)[0]
+
+
+def search_periods(grads: Sequence[Tensor], shapes: Sequence[tuple[int, ...]], *,
+                   variant: str = "log_contrast", fallback: bool = True) -> list[int]:
+    """:func:`search_period` for many tensors with one device-to-host sync per device.
+
+    Every tensor's scores are launched first (one pass over each gradient, asynchronous on
+    CUDA), then each device's scores are concatenated and read back with a single copy, and the
+    decision rules run on the host. The result equals ``[search_period(g, s, ...) for g, s in
+    zip(grads, shapes)]`` exactly (same scores, same rules); a model's first step costs one sync
+    instead of one per tensor.
+
+    Args:
+        grads: the (local) gradients, as for :func:`search_period`; devices may differ.
+        shapes: the parameters' (global) shapes, one per gradient.
+        variant, fallback: as for :func:`search_period`, applied to every tensor.
+
+    Returns:
+        The periods, one ``int`` per gradient, in order.
+
+    Raises:
+        TypeError, ValueError: as :func:`search_period`, for the first offending tensor (named
+            by its position), before any score is computed; ``grads`` and ``shapes`` of
+            different lengths.
+    """
+    grads = list(grads)
+    shapes = list(shapes)
+    if len(grads) != len(shapes):
+        raise ValueError(f"grads and shapes must have the same length, got {len(grads)} and "
+                         f"{len(shapes)}")
+    plans = []
+    for idx, (grad, shape) in enumerate(zip(grads, shapes)):
+        try:
+            _check_grad(grad, variant)
+            plans.append(_plan(grad, shape, variant))
+        except (TypeError, ValueError) as err:
+            if len(grads) == 1:
+                raise
+            raise type(err)(f"grads[{idx}]: {err}") from err
+    # Launch everything, then one read per device.
+    per_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
+    for idx, (grad, plan) in enumerate(zip(grads, plans)):
+        if plan.scored:
+            per_device.setdefault(grad.device, []).append((idx, _launch(grad, plan)))
+    scores: list[list[float]] = [[] for _ in plans]
+    for entries in per_device.values():
+        flat = torch.cat([t for _, t in entries]).tolist()  # the one sync for this device
+        pos = 0
+        for idx, t in entries:
+            scores[idx] = flat[pos:pos + t.numel()]
+            pos += t.numel()
+    out = []
+    for idx, plan in enumerate(plans):
+        try:
+            out.append(_decide(plan, scores[idx], fallback))
+        except ValueError as err:
+            if len(grads) == 1:
+                raise
+            raise ValueError(f"grads[{idx}]: {err}") from err
+    return out

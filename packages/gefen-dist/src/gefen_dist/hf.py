@@ -143,7 +143,17 @@ class GefenMuonHybridFactory:
     ``transformers`` treats a first element that is not an ``Optimizer`` class as a factory: it
     instantiates it with no arguments and calls it with ``(model, **kwargs)``, so the hybrid is
     split from the model the Trainer trains (§5.2) rather than from the Trainer's flat groups.
+    Older ``transformers`` releases without that protocol call the class with the parameter
+    groups instead; that raises a ``TypeError`` pointing to ``optimizers=(hybrid, None)``.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if args or kwargs:
+            raise TypeError(
+                "GefenMuonHybridFactory was called like an optimizer class: this transformers "
+                "version has no optimizer-factory protocol. Build the hybrid yourself and pass "
+                "Trainer(optimizers=(GefenMuonHybrid(model, **kwargs), None))"
+            )
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> torch.optim.Optimizer:
         from gefen_core.hybrid import GefenMuonHybrid

@@ -132,13 +132,14 @@ def check_megatron_config(
                                   + "\n  - ".join(problems))
 
 
-def _named(model_chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+def _named(model_chunks: Sequence[nn.Module] | nn.Module) -> list[tuple[str, torch.Tensor]]:
     if isinstance(model_chunks, nn.Module):
         model_chunks = [model_chunks]
     if not model_chunks or not all(isinstance(m, nn.Module) for m in model_chunks):
         raise TypeError("model_chunks must be a non-empty list of nn.Module (Megatron's model "
                         "chunks, e.g. [DistributedDataParallel(GPTModel(...))])")
-    out, seen = [], set()
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
     for i, chunk in enumerate(model_chunks):
         prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
         for name, p in chunk.named_parameters():
@@ -155,7 +156,7 @@ def _no_decay(name: str, p: torch.Tensor) -> bool:
     return p.ndim == 1 or name.endswith(".bias")
 
 
-def _groups(named: list[tuple[str, nn.Parameter]], lr: float, min_lr: float,
+def _groups(named: list[tuple[str, torch.Tensor]], lr: float, min_lr: float,
             weight_decay: float, default_config: bool) -> list[dict[str, Any]]:
     groups = []
     for no_wd in (False, True):

@@ -8,7 +8,12 @@ import torch
 from kernels_oracle import histogram_naive
 
 from gefen_kernels import _numerics
-from gefen_kernels.ops.histogram import histogram, histogram_reference, histogram_triton
+from gefen_kernels.ops.histogram import (
+    histogram,
+    histogram_reference,
+    histogram_sum,
+    histogram_triton,
+)
 
 CASES = [(1, 1), (4097, 1), (4097, 4097), (8191, 1), (2 * 7, 7), (64 * 5, 64), (1024 * 3, 1024),
          (2048 * 2, 2048), (4096 * 2, 4096), (8192 * 3, 8192), (65521, 65521)]
@@ -113,3 +118,29 @@ def test_compile_fullgraph_gpu() -> None:
     g = torch.randn(4096 * 8, device="cuda")
     fn = torch.compile(lambda t: histogram(t * 2.0, 4096), fullgraph=True)
     assert torch.equal(fn(g), histogram_reference(g * 2.0, 4096))
+
+
+def test_histogram_sum_adds_every_tensor_with_its_own_period() -> None:
+    gen = torch.Generator().manual_seed(5)
+    specs = [((64, 48), 48), ((4097,), 1), ((30, 7), 7), ((1,), 1), ((8, 2048), 4096)]
+    grads = [torch.randn(*shape, generator=gen) * torch.exp(torch.randn(1, generator=gen))
+             for shape, _ in specs]
+    grads[0] = grads[0].t()  # non-contiguous: binned in logical row-major order
+    grads[2] = grads[2].to(torch.bfloat16)
+    periods = [p for _, p in specs]
+    expected = sum(histogram_naive(g.contiguous().float().numpy().reshape(-1), p)
+                   for g, p in zip(grads, periods))
+    for reference in (False, True, [True, False, True, False, True]):
+        total = histogram_sum(grads, periods, reference=reference)
+        assert total.dtype == torch.int64 and total.device.type == "cpu"
+        assert np.array_equal(total.numpy(), expected)
+    assert int(histogram_sum([], []).sum()) == 0
+
+
+def test_histogram_sum_errors_name_the_position() -> None:
+    with pytest.raises(ValueError, match=r"grads\[1\]: period 5 does not divide"):
+        histogram_sum([torch.randn(8), torch.randn(8)], [4, 5])
+    with pytest.raises(TypeError, match=r"grads\[0\]"):
+        histogram_sum([torch.ones(4, dtype=torch.int64)], [1])
+    with pytest.raises(ValueError, match="same length"):
+        histogram_sum([torch.randn(8)], [4, 4])

@@ -140,7 +140,8 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="needs Triton")
 @needs_triton
 @pytest.mark.parametrize("variant", ["log_contrast", "variance"])
 @pytest.mark.parametrize("shape,dtype", [((1, 7), torch.float32), ((64, 48), torch.bfloat16),
-                                         ((3, 1031), torch.float16), ((8, 4096), torch.float32)])
+                                         ((3, 1031), torch.float16), ((8, 4096), torch.float32),
+                                         ((3, 1030), torch.float32)])  # a 1-element last chunk
 def test_triton_matches_reference(monkeypatch: pytest.MonkeyPatch, variant: str,
                                   shape: tuple[int, int], dtype: torch.dtype) -> None:
     # <= 64K elements in the interpreter; a small chunk exercises the cross-chunk carries.
@@ -165,3 +166,24 @@ def test_triton_full_size_on_gpu(variant: str) -> None:
     np.testing.assert_allclose(got.cpu().numpy(),
                                period_scores_reference(g, c, variant).cpu().numpy(),
                                rtol=1e-9, atol=1e-12)
+
+
+def _exact_log_contrast(g: torch.Tensor, cands: list[int]) -> list[float]:
+    """S(p) with exactly rounded block sums (math.fsum), from the §1.7.2 formula."""
+    x = np.log((g.float() * g.float()).numpy().astype(np.float64) + 1e-12)
+    out = []
+    for p in cands:
+        mu = [math.fsum(x[b * p:(b + 1) * p]) / p for b in range(x.size // p)]
+        out.append(math.fsum(abs(mu[i + 1] - mu[i]) for i in range(len(mu) - 1)) / (len(mu) - 1))
+    return out
+
+
+def test_large_period_scores_keep_full_fp64_precision() -> None:
+    # The H200 failure: in one chunk, ~chunk/2 block ends of p = 2 and the one or two of the
+    # largest p share a running sum; the large p's small score must not inherit its rounding
+    # error. Exactly rounded block sums give the reference figures (rtol 1e-12, fp64 has 1e-16).
+    g = _grad(512, 2048, seed=17, kind="row_scaled", dtype=torch.bfloat16)
+    cands = [2**i for i in range(19)]  # every divisor of 2**20 with >= 4 blocks
+    got = period_scores_reference(g, torch.tensor(cands), "log_contrast").numpy()
+    big = [p for p in cands if p >= 2**14]
+    np.testing.assert_allclose(got[-len(big):], _exact_log_contrast(g, big), rtol=1e-12, atol=0)

@@ -153,7 +153,9 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
     tl.store(s_ptr + blocks, s_new, mask=bmask)
 
 
-@jit(do_not_specialize=["seed"])
+# num_blocks only bounds masks: specialising it (== 1, % 16) would only multiply the compiled
+# variants a model's first step has to JIT; period's divisibility does help (aligned rows).
+@jit(do_not_specialize=["seed", "num_blocks"])
 def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
                       table_ptr, hyper_ptr, seed_ptr, num_blocks, period, ncols,
                       b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
@@ -168,7 +170,7 @@ def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                  P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS)
 
 
-@jit(do_not_specialize=["seed"])
+@jit(do_not_specialize=["seed", "num_blocks"])
 def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
                       table_ptr, hyper_ptr, seed_ptr, num_blocks, period, ncols,
                       b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,

@@ -21,7 +21,7 @@ from torch import Tensor
 from .. import _numerics
 from .. import _validation as V
 from .._numerics import FLT_MIN, f32
-from .._triton import jit, program_elements, require_triton, tl, triton
+from .._triton import jit, program_elements, require_triton, tl
 from ._dispatch import check_device_for_triton, use_triton
 from ._step_kernels import launch_step
 from ._step_ref import StepScalars, denominator, make_scalars, run_step
@@ -242,23 +242,30 @@ def _factored_finalize_kernel(row_part_ptr, col_part_ptr, row_ptr, col_ptr, inv_
         tl.store(col_ptr + idx, k_new, mask=mask)
 
 
-def _stats_grid(rows: int, cols: int) -> tuple[int, int, int, int, int]:
-    """(RB, CB, n_col_tiles, n_row_programs, rows_per_program) of the statistics kernel."""
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # not triton.cdiv: that is a jit function, slow to call from Python
+
+
+def stats_layout(rows: int, cols: int) -> tuple[int, int, int, int, int]:
+    """(RB, CB, n_col_tiles, n_row_programs, rows_per_program) of the statistics kernel for a
+    ``[rows, cols]`` gradient (a function of the shape only, so the sums' order is fixed)."""
     tile = program_elements(_STATS_TILE)
     cb = min(_STATS_MAX_CB, 1 << max(0, (cols - 1).bit_length()))
     rb = max(1, tile // cb)
-    n_col_tiles = triton.cdiv(cols, cb)
-    want = max(1, min(triton.cdiv(rows, rb), triton.cdiv(_STATS_PROGRAMS, n_col_tiles)))
-    rows_per_program = triton.cdiv(triton.cdiv(rows, want), rb) * rb
-    n_row_programs = triton.cdiv(rows, rows_per_program)
+    n_col_tiles = _cdiv(cols, cb)
+    want = max(1, min(_cdiv(rows, rb), _cdiv(_STATS_PROGRAMS, n_col_tiles)))
+    rows_per_program = _cdiv(_cdiv(rows, want), rb) * rb
+    n_row_programs = _cdiv(rows, rows_per_program)
     return rb, cb, n_col_tiles, n_row_programs, rows_per_program
 
 
-def _stats_partials(grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _stats_partials(grad: Tensor, layout: tuple[int, int, int, int, int] | None = None,
+                    ) -> tuple[Tensor, Tensor, Tensor]:
     """Row partials fp32 ``[R, n_col_tiles]``, column partials fp32 ``[n_row_programs, C]``
     of ``g^2``, and one spare fp32 ``[1]`` (for ``1/rbar``), in one scratch allocation."""
     rows, cols = grad.shape
-    rb, cb, n_col_tiles, n_row_programs, rows_per_program = _stats_grid(rows, cols)
+    rb, cb, n_col_tiles, n_row_programs, rows_per_program = (
+        layout if layout is not None else stats_layout(rows, cols))
     n_rows_part = rows * n_col_tiles
     scratch = torch.empty(n_rows_part + n_row_programs * cols + 1, dtype=torch.float32,
                           device=grad.device)
@@ -277,19 +284,21 @@ def _row_col_sums_triton(grad: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def factored_stats_triton(grad: Tensor, exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, *,
-                          beta2: float) -> Tensor:
+                          beta2: float,
+                          layout: tuple[int, int, int, int, int] | None = None) -> Tensor:
     """Steps 1-2 of §1.11 in two launches: the r/k EMA in place; returns ``1/rbar`` as an fp32
     ``[1]`` device tensor. One allocation (the partials), no host synchronisation, no torch op
-    in between. ``grad`` is ``[R, C]`` contiguous fp32/bf16/fp16.
+    in between. ``grad`` is ``[R, C]`` contiguous fp32/bf16/fp16; ``layout`` is
+    :func:`stats_layout` of its shape (computed here when not given).
 
     The EMA is the reference's expression (:func:`_ema`), so ``r``/``k`` differ from it only
     through the summation order of ``sum g^2`` (a few fp32 ulps).
     """
     rows, cols = grad.shape
-    row_part, col_part, inv_rbar = _stats_partials(grad)
+    row_part, col_part, inv_rbar = _stats_partials(grad, layout)
     b2 = f32(beta2)
     block = _FINALIZE_BLOCK
-    _factored_finalize_kernel[(1 + triton.cdiv(cols, block),)](
+    _factored_finalize_kernel[(1 + _cdiv(cols, block),)](
         row_part, col_part, exp_avg_sq_row, exp_avg_sq_col, inv_rbar, rows, cols,
         row_part.shape[1], col_part.shape[0], f32(1.0 / cols), f32(1.0 / rows), b2,
         f32(1.0 - b2), BLOCK=block, num_warps=4, **LAUNCH_OPTIONS)

@@ -9,6 +9,8 @@ the block) are skipped entirely (non-finite policy O9, :mod:`gefen_kernels._nume
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -18,11 +20,13 @@ from .._triton import jit, program_elements, require_triton, tl, triton
 from ._chunks import block_groups
 from ._dispatch import check_device_for_triton, use_triton
 from ._triton_helpers import LAUNCH_OPTIONS
+from .period_scores import reject_dtensor
 
-__all__ = ["histogram", "histogram_reference", "histogram_triton"]
+__all__ = ["histogram", "histogram_reference", "histogram_sum", "histogram_triton"]
 
 
 def _check(grad: Tensor, period: int) -> int:
+    reject_dtensor("grad", grad)
     V.check_tensor("grad", grad)
     V.check_float("grad", grad)
     if grad.is_complex():
@@ -228,3 +232,54 @@ def histogram(grad: Tensor, period: int) -> Tensor:
     """int64 ``[4096]`` histogram through ``torch.ops.gefen.histogram`` (see the reference)."""
     _check(grad, period)
     return torch.ops.gefen.histogram(grad, period)
+
+
+def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
+                  reference: bool | Sequence[bool] = False) -> Tensor:
+    """Summed histogram of many gradients, each with its own period; int64 ``[4096]`` on the CPU.
+
+    The codebook pass of a whole model (ALGORITHM.md §1.8.1-§1.8.2): each gradient's counts are
+    added into one int64 accumulator per device (exact, order-independent integer sums) and each
+    accumulator is copied to the host once, so the pass costs one device-to-host sync per
+    device rather than one per tensor.
+
+    Args:
+        grads: float tensors (any float dtype and device; a non-contiguous one is copied once by
+            ``.contiguous()``). Under FSDP2 pass local shards (``grad.to_local()``).
+        periods: block length ``P`` of each gradient, dividing its numel.
+        reference: ``True`` bins with :func:`histogram_reference` (the PyTorch path) instead of
+            the dispatching :func:`histogram`; one bool for all or one per gradient.
+
+    Returns:
+        int64 ``[4096]`` on the CPU: the sum of the per-tensor histograms.
+
+    Raises:
+        TypeError, ValueError: as :func:`histogram`, naming the offending position, before any
+            counting; ``grads``, ``periods`` (and a per-gradient ``reference``) of different
+            lengths.
+    """
+    grads = list(grads)
+    periods = list(periods)
+    refs = [reference] * len(grads) if isinstance(reference, bool) else list(reference)
+    if not len(grads) == len(periods) == len(refs):
+        raise ValueError(f"grads, periods and reference must have the same length, got "
+                         f"{len(grads)}, {len(periods)} and {len(refs)}")
+    for idx, (grad, period) in enumerate(zip(grads, periods)):
+        try:
+            if not isinstance(grad, Tensor):
+                raise TypeError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
+            _check(grad if grad.is_contiguous() else grad.contiguous(), period)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"grads[{idx}]: {err}") from err
+    acc: dict[torch.device, Tensor] = {}
+    for grad, period, ref in zip(grads, periods, refs):
+        g = grad if grad.is_contiguous() else grad.contiguous()
+        counts = (histogram_reference if ref else histogram)(g, period)
+        if g.device in acc:
+            acc[g.device] += counts
+        else:
+            acc[g.device] = counts
+    total = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    for counts in acc.values():
+        total += counts.cpu()  # the one sync for this device
+    return total

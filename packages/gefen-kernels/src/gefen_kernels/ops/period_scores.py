@@ -67,7 +67,25 @@ _TILE = 1024  # elements per Triton program (one fp64 scan each)
 # --------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------
+def reject_dtensor(name: str, t: object) -> None:
+    """Raise a TypeError naming the fix when ``t`` is a ``torch.distributed`` DTensor.
+
+    The ops work on one device's memory: under FSDP2 (or any DTensor parameter) the caller
+    passes the local shard, ``t.to_local()``, and reduces across ranks itself.
+    """
+    if type(t) is Tensor or not isinstance(t, Tensor) or not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        raise TypeError(f"{name} is a DTensor; gefen ops take the local shard: pass "
+                        f"{name}.to_local() (the optimizer steps local shards; a distributed "
+                        "caller reduces the statistics across ranks itself)")
+
+
 def _check_meta(grad: Tensor, candidates: Tensor, variant: str) -> None:
+    reject_dtensor("grad", grad)
+    reject_dtensor("candidates", candidates)
     V.check_tensor("grad", grad)
     V.check_float("grad", grad)
     if grad.is_complex():
@@ -103,7 +121,11 @@ def _host_candidates(grad: Tensor, candidates: Tensor, variant: str) -> list[int
 def _transform_reference(chunk: Tensor, variant: str) -> tuple[Tensor, Tensor]:
     """``(values, E)``: transformed fp64 values ``[A, n]`` and exclusive prefix ``[A, n + 1]``.
 
-    ``A = 1`` (``x``) for log_contrast, ``A = 2`` (``y``, ``y^2``) for variance.
+    ``A = 1`` (``x``) for log_contrast, ``A = 2`` (``y``, ``y^2``) for variance. The prefix is
+    blocked like the Triton path's: fp64 scans of ``_TILE``-element tiles plus an fp64 scan of
+    the tile totals. A flat sequential scan would accumulate rounding error in proportion to the
+    chunk length times the running sum (``x`` has a mean of several units), which on blocks of
+    millions of elements shows in the 9th digit of ``S(p)``.
     """
     g = chunk.to(torch.float32)
     if variant == "log_contrast":
@@ -111,9 +133,16 @@ def _transform_reference(chunk: Tensor, variant: str) -> tuple[Tensor, Tensor]:
     else:
         y = g.to(torch.float64).square()
         values = torch.stack((y, y * y))
-    prefix = torch.zeros(values.shape[0], values.shape[1] + 1, dtype=torch.float64,
-                         device=chunk.device)
-    torch.cumsum(values, dim=1, out=prefix[:, 1:])
+    rows, n = values.shape
+    num_tiles = -(-n // _TILE)
+    tiles = torch.zeros(rows, num_tiles * _TILE, dtype=torch.float64, device=chunk.device)
+    tiles[:, :n] = values
+    scan = tiles.view(rows, num_tiles, _TILE).cumsum_(dim=2)
+    totals = scan[:, :, -1]
+    offsets = torch.cumsum(totals, dim=1) - totals  # exclusive, fp64, in tile order
+    scan += offsets.unsqueeze(2)
+    prefix = torch.zeros(rows, n + 1, dtype=torch.float64, device=chunk.device)
+    prefix[:, 1:] = scan.view(rows, -1)[:, :n]
     return values, prefix
 
 
@@ -235,8 +264,14 @@ def _scores(grad: Tensor, cands: list[int], variant: str, chunk: int,
             continue
         first = p_int - torch.remainder(start, p_int)
         cnt = torch.where(first > n, 0, torch.div(n - first, p_int, rounding_mode="floor") + 1)
-        seg_start = torch.cumsum(cnt, 0) - cnt
-        cid = torch.repeat_interleave(cand_ids, cnt, output_size=n_ends)
+        # Candidates' block ends are laid out in *descending* p order: the per-candidate score
+        # sums below are differences of one running sum over all of them, whose rounding error
+        # is relative to the running sum before the segment. Ascending order would put the one
+        # or two terms of the largest p after ~chunk/2 terms of p = 2 (a running sum in the
+        # millions against terms near 0.05: ~1e-9 relative error); descending order keeps
+        # every segment's prefix no larger than the sums of the larger candidates before it.
+        seg_start = n_ends - torch.cumsum(cnt, 0)
+        cid = torch.repeat_interleave(cand_ids.flip(0), cnt.flip(0), output_size=n_ends)
         rank = torch.arange(n_ends, device=dev) - seg_start[cid]
         p_of = p_int[cid]
         pos = first[cid] + rank * p_of

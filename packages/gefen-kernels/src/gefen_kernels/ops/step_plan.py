@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import f32, to_signed64
-from .._triton import program_elements, require_triton, triton
+from .._triton import program_elements, require_triton
 from ._dispatch import check_device_for_triton
 from ._search_table import search_table
 from ._step_kernels import (
@@ -78,6 +78,7 @@ class StepPlan:
         else:
             from .block_step import _check as check_block
 
+            assert exp_avg_sq is not None
             check_block(param, param, codes, scale, exp_avg_sq, codebook, beta1, beta2, eps, 0,
                         None, None, allow_fp64=False)
         self._refs = tuple(weakref.ref(t) if t is not None else None
@@ -92,6 +93,11 @@ class StepPlan:
         self.numel = num_blocks * period
         self.route = choose_route(num_blocks, period, param.device)
         self.ncols = int(param.shape[1]) if self.factored else 1
+        self._stats_layout = None
+        if self.factored:
+            from .factored_step import stats_layout
+
+            self._stats_layout = stats_layout(int(param.shape[0]), self.ncols)
         b1, b2 = f32(beta1), f32(beta2)
         self._floats = (b1, f32(1.0 - b1), b2, f32(1.0 - b2), f32(eps))
         table, steps = search_table(codebook)
@@ -103,7 +109,7 @@ class StepPlan:
             p2 = _next_pow2(period)
             bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
             self._kernel = _step_tile_kernel
-            self._grid: tuple[int, ...] | None = (triton.cdiv(num_blocks, bpp),)
+            self._grid: tuple[int, ...] | None = (-(-num_blocks // bpp),)
             consts.update(BPP=bpp, P2=p2, num_warps=8 if bpp * p2 >= 2048 else 4)
         elif self.route == "loop":
             self._kernel = _step_loop_kernel
@@ -148,13 +154,16 @@ class StepPlan:
         param, codes, scale, exp_avg_sq, row, col, codebook = (
             ref() if ref is not None else None for ref in self._refs)
         assert param is not None and codes is not None and scale is not None
+        assert codebook is not None
         if self.capturable:
             assert hyper is not None and seed_tensor is not None
         inv_rbar = None
         if self.factored:
             from .factored_step import factored_stats_triton
 
-            inv_rbar = factored_stats_triton(grad, row, col, beta2=self.beta2)
+            assert row is not None and col is not None
+            inv_rbar = factored_stats_triton(grad, row, col, beta2=self.beta2,
+                                             layout=self._stats_layout)
         if self._grid is None:
             launch_step(param, grad, codes, scale, exp_avg_sq=exp_avg_sq, row=row, col=col,
                         inv_rbar=inv_rbar, ncols=self.ncols, codebook=codebook, lr=lr,

@@ -24,6 +24,10 @@ EXPORTS: Final[dict[str, tuple[str, str | None]]] = {
     # gefen-core: the optimizers (always installed with gefen-x).
     "Gefen": ("gefen_core", None),
     "gefen": ("gefen_core", None),
+    "GefenMuon": ("gefen_core", None),
+    "GefenMuonHybrid": ("gefen_core", None),
+    "split_params_for_muon": ("gefen_core", None),
+    "validate_split": ("gefen_core", None),
     # gefen-dist: engines and distributed checkpoints.
     "ShardedGefen": ("gefen_dist", "dist"),
     "GefenDCPState": ("gefen_dist", "dist"),

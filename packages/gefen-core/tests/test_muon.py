@@ -97,16 +97,41 @@ def grads(shape, n, seed=0, dtype=torch.float64):
 # ------------------------------------------------------------------ construction
 
 
-def test_signature_and_defaults_follow_torch_muon():
-    ours = inspect.signature(GefenMuon.__init__).parameters
-    theirs = inspect.signature(torch.optim.Muon.__init__).parameters
-    for name, p in theirs.items():
-        if name in ("self", "params"):
-            continue
+#: ``torch.optim.Muon.__init__`` as documented since torch 2.9 (the class does not exist on
+#: older torch): positional order and defaults, after ``self, params``.
+TORCH_MUON_SIGNATURE = (
+    ("lr", 1e-3),
+    ("weight_decay", 0.1),
+    ("momentum", 0.95),
+    ("nesterov", True),
+    ("ns_coefficients", (3.4445, -4.775, 2.0315)),
+    ("eps", 1e-7),
+    ("ns_steps", 5),
+    ("adjust_lr_fn", None),
+)
+
+
+def _check_follows(ours, theirs):
+    for name, default in theirs:
         assert name in ours, name
-        assert ours[name].default == p.default, name
-    names = list(ours)
-    assert names[: len(theirs)] == list(theirs)  # same positional order
+        assert ours[name].default == default, name
+        assert ours[name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, name
+    names = [n for n in ours if n not in ("self", "params")]
+    assert names[: len(theirs)] == [n for n, _ in theirs]  # same positional order
+    assert list(ours)[:2] == ["self", "params"]
+
+
+def test_signature_and_defaults_follow_documented_torch_muon():
+    _check_follows(inspect.signature(GefenMuon.__init__).parameters, TORCH_MUON_SIGNATURE)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"),
+                    reason="torch.optim.Muon exists from torch 2.9 on; the documented "
+                           "signature is checked by the test above")
+def test_signature_and_defaults_follow_installed_torch_muon():
+    theirs = inspect.signature(torch.optim.Muon.__init__).parameters
+    expected = tuple((n, p.default) for n, p in theirs.items() if n not in ("self", "params"))
+    _check_follows(inspect.signature(GefenMuon.__init__).parameters, expected)
 
 
 def test_group_keys_and_gefen_view():

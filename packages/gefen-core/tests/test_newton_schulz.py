@@ -240,10 +240,46 @@ def test_fp8_size_gate(monkeypatch):
     assert torch.equal(ns.newton_schulz(x, sched, fp8=True), ns.newton_schulz(x, sched))
 
 
+def scaled_mm_reference(a, b, *, scale_a, scale_b, out_dtype):
+    """``torch._scaled_mm`` from its definition: (a·scale_a) @ (b·scale_b) in float64, rounded
+    once to ``out_dtype`` (row-wise ``scale_a`` ``[M, 1]``, column-wise ``scale_b`` ``[1, N]``)."""
+    return ((a.double() * scale_a.double()) @ (b.double() * scale_b.double())).to(out_dtype)
+
+
+def cpu_scaled_mm_available():
+    # torch < 2.8 registers aten::_scaled_mm for CUDA only (NotImplementedError on CPU).
+    q = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    one = torch.ones(16, 1)
+    try:
+        torch._scaled_mm(q, q.t(), scale_a=one, scale_b=one.t(), out_dtype=torch.bfloat16)
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not cpu_scaled_mm_available(),
+                    reason="this torch has no CPU kernel for torch._scaled_mm to compare with")
+def test_scaled_mm_reference_matches_torch_on_cpu():
+    g = torch.Generator().manual_seed(7)
+    a = (torch.randn(32, 64, generator=g) * 8).to(torch.float8_e4m3fn)
+    b = (torch.randn(48, 64, generator=g) * 8).to(torch.float8_e4m3fn)
+    sa = torch.rand(32, 1, generator=g) + 0.5
+    sb = torch.rand(1, 48, generator=g) + 0.5
+    got = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    ref = scaled_mm_reference(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float64)
+    # fp32 accumulation, then one bf16 rounding (unit round-off 2**-9) relative to the row size.
+    err = (got.double() - ref).abs().max().item()
+    assert err <= 2**-8 * ref.abs().max().item(), err
+
+
 def test_fp8_core_approximates_the_orthogonalisation(monkeypatch):
-    # torch._scaled_mm runs on CPU, so the fp8 recipe itself is checked here with the gates
-    # opened: e4m3 keeps 3 significand bits (unit round-off 2**-4), so the result must be
-    # within a few of those of the float64 answer, and must differ from the bf16 path.
+    # The fp8 recipe itself (row-wise e4m3 quantization, scale layout, the composed quintic)
+    # is checked here with the gates opened: e4m3 keeps 3 significand bits (unit round-off
+    # 2**-4), so the result must be within a few of those of the float64 answer, and must
+    # differ from the bf16 path. Where torch has no CPU torch._scaled_mm (torch < 2.8), the
+    # GEMM is its float64 definition above (checked against torch's where both exist).
+    if not cpu_scaled_mm_available():
+        monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_reference)
     monkeypatch.setattr(ns, "fp8_ns_supported", lambda device: True)
     monkeypatch.setattr(ns, "FP8_MIN_DIM", 32)
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(6))

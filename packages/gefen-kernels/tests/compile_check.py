@@ -23,6 +23,7 @@ Exit status 0 when every configuration compiles; otherwise the failures are prin
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import traceback
@@ -124,11 +125,19 @@ def compile_launch(launch: Launch, stage: str) -> None:
     backend.load_dialects(context)
     codegen_fns = backend.get_codegen_implementation(options)
     module_map = backend.get_module_map()
-    module = src.make_ir(target, options, codegen_fns, module_map, context)
+    # Triton < 3.4 has make_ir(options, ...) and add_stages(stages, options); later versions
+    # take the target first and the source language last. Their compilers are the same here.
+    if "target" in inspect.signature(src.make_ir).parameters:
+        module = src.make_ir(target, options, codegen_fns, module_map, context)
+    else:
+        module = src.make_ir(options, codegen_fns, module_map, context)
     if stage == "ir":
         return
     stages: dict[str, Callable[..., Any]] = {}
-    backend.add_stages(stages, options, src.language)
+    if "language" in inspect.signature(backend.add_stages).parameters:
+        backend.add_stages(stages, options, src.language)
+    else:
+        backend.add_stages(stages, options)
     metadata: dict[str, Any] = {}
     for name, fn in stages.items():
         module = fn(module, metadata)

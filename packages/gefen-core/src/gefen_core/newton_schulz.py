@@ -169,9 +169,16 @@ def resolve_ns_schedule(
 
 
 def fp8_ns_supported(device: torch.device | str) -> bool:
-    """Whether ``device`` can run fp8 (e4m3) scaled GEMMs: CUDA with capability ≥ 8.9."""
+    """Whether ``device`` can run fp8 (e4m3) scaled GEMMs: CUDA with capability ≥ 8.9.
+
+    Also False on a torch build without ``torch.float8_e4m3fn`` / ``torch._scaled_mm``, so the
+    fp8 path degrades to bf16 there instead of failing. (CPU is never "supported": torch < 2.8
+    has no CPU ``_scaled_mm`` kernel, and where one exists it is not faster than bf16.)
+    """
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if not (hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm")):
         return False
     return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
 

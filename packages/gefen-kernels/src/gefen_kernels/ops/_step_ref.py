@@ -112,7 +112,7 @@ def run_step(
             if maximize:
                 g = g.neg()
             m = momentum_ema(sc.beta1, sc.one_minus_beta1, s_old,
-                             cb[flat_q[start:end].view(rows, -1).long()], g)
+                             cb.index_select(0, flat_q[start:end].int()).view(rows, -1), g)
             return g, m
 
         rows = nb if single else 1
@@ -149,7 +149,7 @@ def run_step(
             else:
                 q = nearest_codes(zf, codebook)
             del z, zf, m
-            mhat = cb[q].view(s_new.shape[0], -1) * s_new
+            mhat = cb.index_select(0, q).view(s_new.shape[0], -1) * s_new
             flat_q[start:end].copy_(q.view(-1))
             del q
             if sc.lr_is_host_zero:

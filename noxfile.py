@@ -59,6 +59,9 @@ TEST_REQUIREMENTS = [
     "scikit-learn",
     "matplotlib",
     "rich",
+    # gefen-dist's engine tests (issue 8): ZeRO 0-3 on CPU with gloo, Megatron-Core config.
+    "deepspeed==0.19.8",
+    "megatron-core==0.16.1",
 ]
 #: Seconds any single test may take before pytest-timeout kills it (nothing may hang CI).
 TEST_TIMEOUT_S = 600

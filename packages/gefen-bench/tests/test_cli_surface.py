@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from gefen_bench import cli
 from gefen_bench import optimizers as registry
@@ -137,6 +138,7 @@ def test_step_cpu_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     assert rows["gefen"]["state_bytes_per_param"] < adamw["state_bytes_per_param"]
     for r in rows.values():
         assert r["step_ms_median"] > 0 and r["first_step_ms"] > 0
+        assert r["timer"] == "host-wall"
     assert report["copy_bandwidth"]["gb_per_s"] > 0
 
 
@@ -150,3 +152,28 @@ def test_memory_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
         shapes = shapes_for(r["model"], "tiny")
         # fused AdamW on CPU: bf16 exp_avg + exp_avg_sq and an fp32 `step` per tensor.
         assert r["state_bytes"] == 4 * numel(shapes) + 4 * len(shapes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_cuda_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``gefen-bench step`` on CUDA: valid JSON, timed with CUDA events, memory measured."""
+    code, _, err = _run(capsys, [
+        "step", "--device", "cuda", "--scale", "tiny", "--models", "gpt2",
+        "--optimizers", "adamw-fused,gefen", "--steps", "5", "--warmup", "2",
+        "--out", str(tmp_path)])
+    assert code == 0, err
+    report = json.loads((tmp_path / "step.json").read_text())
+    assert report["device"].startswith("cuda") and report["failed"] == {}
+    assert "GiB buffer" in report["copy_bandwidth"]["method"]
+    assert report["copy_bandwidth"]["gb_per_s"] > 0
+    rows = {r["optimizer"]: r for r in report["rows"]}
+    assert set(rows) == {"adamw-fused", "gefen"}
+    shapes = shapes_for("gpt2", "tiny")
+    for r in rows.values():
+        assert r["timer"] == "cuda-events"
+        assert r["params"] == numel(shapes)
+        assert math.isfinite(r["step_ms_median"]) and r["step_ms_median"] > 0
+        assert r["peak_extra_mib"] is not None and r["alloc_delta_bytes_per_param"] is not None
+    # Gefen's ~1 byte/param of state against fused AdamW's bf16 pair (4 bytes/param).
+    assert rows["gefen"]["state_bytes_per_param"] < rows["adamw-fused"]["state_bytes_per_param"]

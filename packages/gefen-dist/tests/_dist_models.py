@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -117,12 +118,40 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@functools.cache
+def gloo_avg_sums() -> bool:
+    """Whether this process group's ``reduce_scatter_tensor(op=AVG)`` returns the *sum*.
+
+    torch 2.7's gloo backend does (measured: FSDP2 gradients come out ``world`` times the
+    single-process gradient), so FSDP2 there does not average over ranks. Collective: every
+    rank calls it, the first time ``train`` sees an FSDP2 model.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    out = torch.empty(1)
+    dist.reduce_scatter_tensor(out, torch.ones(world), op=dist.ReduceOp.AVG)
+    return float(out) == float(world)
+
+
 def train(model: nn.Module, opt, data, closure_style: bool = False) -> list[float]:
+    """Plain steps. Under FSDP2 on a backend whose AVG sums (see :func:`gloo_avg_sums`),
+    the gradients are divided by the world size after backward, which completes FSDP2's
+    documented averaging exactly (the tests use power-of-two world sizes)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fix = isinstance(model, FSDPModule) and gloo_avg_sums()
     losses = []
     for x, y in data:
         opt.zero_grad(set_to_none=True)
         loss = lm_loss(model, x, y)
         loss.backward()
+        if fix:
+            import torch.distributed as dist
+
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(dist.get_world_size())
         opt.step()
         losses.append(loss.item())
     return losses

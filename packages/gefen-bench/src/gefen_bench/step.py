@@ -15,7 +15,8 @@ storages reachable from the optimizer, :mod:`.state_bytes`); alloc-delta B/param
 (``max_memory_allocated`` − ``memory_allocated`` before a step, after
 ``reset_peak_memory_stats``; max over 3 steady steps, and for the first step, which includes
 allocating the state); eff GB/s = the optimizer's minimal bytes/param (registry) × params /
-median step; % of the device-to-device copy bandwidth measured in the same run.
+median step; % of the device-to-device copy bandwidth measured in the same run. Each row
+records its ``timer`` (``"cuda-events"`` on CUDA, ``"host-wall"`` otherwise).
 """
 
 from __future__ import annotations
@@ -185,6 +186,9 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
         else mib(max(p for p in steady_peaks if p is not None)),
         "first_step_peak_extra_mib": mib(first_peak),
         "min_bytes_per_param": min_bpp,
+        "timer": "cuda-events" if device.type == "cuda" else "host-wall",
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else "cpu"),
         "eff_gb_per_s": min_bpp * n / median / 1e9,
         "optimizer_classes": [type(o).__module__ + "." + type(o).__name__ for o in opts],
     }

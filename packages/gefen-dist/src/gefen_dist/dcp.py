@@ -54,7 +54,13 @@ from .sharded import SEARCH_PERIODS_KEY, aligned_period
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-__all__ = ["FORMAT_VERSION", "GefenDCPState", "GefenSavePlanner", "GefenStager"]
+__all__ = [
+    "FORMAT_VERSION",
+    "GefenDCPState",
+    "GefenSavePlanner",
+    "GefenStager",
+    "async_stager_supported",
+]
 
 FORMAT_VERSION = 1
 #: Elements dequantized at once when building a dense tensor (bounds the int64 index copy).
@@ -217,7 +223,19 @@ class GefenDCPState(Stateful):
 
     def async_stager(self) -> GefenStager:
         """An ``AsyncStager`` for ``dcp.async_save`` that copies ordinary tensors to the CPU
-        and keeps this state's placeholders (whose data is already a CPU snapshot)."""
+        and keeps this state's placeholders (whose data is already a CPU snapshot).
+
+        Raises:
+            RuntimeError: the installed torch's ``dcp.async_save`` has no ``async_stager``
+                argument (torch 2.7, for one); use ``dcp.save`` (optionally with
+                :meth:`save_planner`) there, or upgrade torch.
+        """
+        if not async_stager_supported():
+            raise RuntimeError(
+                f"GefenDCPState.async_stager() needs torch.distributed.checkpoint.async_save("
+                f"..., async_stager=...), which torch {torch.__version__} lacks; use dcp.save "
+                f"(with planner=state.save_planner() for a bounded peak) or upgrade torch"
+            )
         return GefenStager(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -551,6 +569,16 @@ class GefenSavePlanner(DefaultSavePlanner):
         self.max_materialized_bytes = max(self.max_materialized_bytes,
                                           tensor.numel() * tensor.element_size())
         return tensor
+
+
+def async_stager_supported() -> bool:
+    """Whether the installed ``dcp.async_save`` accepts ``async_stager=`` (torch 2.7 does
+    not), which :meth:`GefenDCPState.async_stager` needs."""
+    import inspect
+
+    from torch.distributed.checkpoint import async_save
+
+    return "async_stager" in inspect.signature(async_save).parameters
 
 
 class GefenStager:

@@ -109,6 +109,7 @@ def _child(
 ) -> None:
     start = time.monotonic()
     os.environ.update(env)
+    initialised = False
     try:
         import torch
         import torch.distributed as dist
@@ -121,12 +122,8 @@ def _child(
             world_size=world_size,
             timeout=timedelta(seconds=collective_timeout),
         )
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            # Destroying after a failure can itself block on a peer; the parent's deadline
-            # covers that case.
-            dist.destroy_process_group()
+        initialised = True
+        value = fn(rank, world_size, *args)
         # Plain pickle, not the queue's ForkingPickler: torch would share tensor storage through
         # file descriptors that vanish when this process exits before the parent reads them.
         payload = pickle.dumps(value)
@@ -142,6 +139,12 @@ def _child(
                 seconds=time.monotonic() - start,
             )
         )
+    finally:
+        # The outcome is reported first: on torch 2.7 with gloo, destroying the group can block
+        # on a peer that has already exited, and the parent kills a rank stuck here once its
+        # outcome has arrived.
+        if initialised:
+            dist.destroy_process_group()
 
 
 def run_distributed(

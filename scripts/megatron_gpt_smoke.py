@@ -80,8 +80,9 @@ def _init_distributed(tmp: str) -> tuple[int, int]:
         dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1)
     else:
         dist.init_process_group("nccl")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
-                                             pipeline_model_parallel_size=1)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1
+    )
     model_parallel_cuda_manual_seed(0)
     return rank, world
 
@@ -93,17 +94,24 @@ def _dataset(a: argparse.Namespace, world: int) -> Any:
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
-    cfg = GPTDatasetConfig(random_seed=1234, sequence_length=a.seq, reset_position_ids=False,
-                           reset_attention_mask=False, eod_mask_loss=False,
-                           tokenizer=NullTokenizer(vocab_size=a.vocab - 1))
+    cfg = GPTDatasetConfig(
+        random_seed=1234,
+        sequence_length=a.seq,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        tokenizer=NullTokenizer(vocab_size=a.vocab - 1),
+    )
     n = a.steps * a.micro_batches * a.micro_batch_size * world
-    train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [n, None, None], lambda: True,
-                                                cfg).build()
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        MockGPTDataset, [n, None, None], lambda: True, cfg
+    ).build()
     return train
 
 
-def _batches(train: Any, a: argparse.Namespace, rank: int, world: int,
-             first_update: int) -> Iterator[dict[str, torch.Tensor]]:
+def _batches(
+    train: Any, a: argparse.Namespace, rank: int, world: int, first_update: int
+) -> Iterator[dict[str, torch.Tensor]]:
     """Micro-batches of this rank from update ``first_update`` on (a resumed run skips the
     samples the interrupted run consumed, as Megatron's sampler does)."""
     per_update = a.micro_batches * a.micro_batch_size
@@ -130,33 +138,64 @@ def _build(a: argparse.Namespace, recipe: str, seed: int) -> tuple[Any, Any, Any
     bf16 = not a.fp32
     dtype = torch.bfloat16 if bf16 else torch.float32
     tcfg = TransformerConfig(
-        num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=4,
-        ffn_hidden_size=4 * a.hidden, use_cpu_initialization=True, pipeline_dtype=dtype,
-        params_dtype=dtype, bf16=bf16, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        num_attention_heads=4,
+        ffn_hidden_size=4 * a.hidden,
+        use_cpu_initialization=True,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=bf16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
-    model = GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=a.vocab, max_sequence_length=a.seq,
-                     share_embeddings_and_output_weights=True).cuda()
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=a.vocab,
+        max_sequence_length=a.seq,
+        share_embeddings_and_output_weights=True,
+    ).cuda()
     ddp = DistributedDataParallel(
         config=tcfg,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                 overlap_grad_reduce=False,
-                                                 use_distributed_optimizer=False),
-        module=model)
-    ocfg = OptimizerConfig(lr=a.lr, min_lr=a.lr / 10, weight_decay=0.1, adam_beta1=0.9,
-                           adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, bf16=bf16)
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        ),
+        module=model,
+    )
+    ocfg = OptimizerConfig(
+        lr=a.lr,
+        min_lr=a.lr / 10,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        clip_grad=1.0,
+        bf16=bf16,
+    )
     fused = False if a.no_fused else True
-    opt = get_gefen_megatron_optimizer(ocfg, [ddp], recipe,
-                                       gefen_kwargs={"fused": fused, "deterministic": True})
+    opt = get_gefen_megatron_optimizer(
+        ocfg, [ddp], recipe, gefen_kwargs={"fused": fused, "deterministic": True}
+    )
     sched = OptimizerParamScheduler(
-        opt, init_lr=0.0, max_lr=a.lr, min_lr=a.lr / 10, lr_warmup_steps=2,
-        lr_decay_steps=a.steps, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
-        wd_incr_steps=a.steps, wd_incr_style="constant")
+        opt,
+        init_lr=0.0,
+        max_lr=a.lr,
+        min_lr=a.lr / 10,
+        lr_warmup_steps=2,
+        lr_decay_steps=a.steps,
+        lr_decay_style="cosine",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=a.steps,
+        wd_incr_style="constant",
+    )
     return model, ddp, opt, sched
 
 
-def _loss_func(loss_mask: torch.Tensor,
-               output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _loss_func(
+    loss_mask: torch.Tensor, output: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     losses = output.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum()
@@ -165,13 +204,20 @@ def _loss_func(loss_mask: torch.Tensor,
 
 def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> Any:
     batch = next(data_iterator)
-    out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                labels=batch["labels"])
+    out = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
     return out, partial(_loss_func, batch["loss_mask"])
 
 
-def _train(a: argparse.Namespace, ddp: Any, opt: Any, sched: Any,
-           data: Iterator[dict[str, torch.Tensor]], updates: int) -> list[dict[str, Any]]:
+def _train(
+    a: argparse.Namespace,
+    ddp: Any,
+    opt: Any,
+    sched: Any,
+    data: Iterator[dict[str, torch.Tensor]],
+    updates: int,
+) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -180,18 +226,30 @@ def _train(a: argparse.Namespace, ddp: Any, opt: Any, sched: Any,
     for _ in range(updates):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        out = fwd_bwd(forward_step_func=_forward_step, data_iterator=data, model=[ddp],
-                      num_microbatches=a.micro_batches, seq_length=a.seq,
-                      micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq,
-                      forward_only=False)
+        out = fwd_bwd(
+            forward_step_func=_forward_step,
+            data_iterator=data,
+            model=[ddp],
+            num_microbatches=a.micro_batches,
+            seq_length=a.seq,
+            micro_batch_size=a.micro_batch_size,
+            decoder_seq_length=a.seq,
+            forward_only=False,
+        )
         ok, grad_norm, _ = opt.step()
         loss = torch.stack([o["lm loss"] for o in out]).mean()
         dist.all_reduce(loss)
         loss /= dist.get_world_size()
         lr = opt.param_groups[0]["lr"]
         sched.step(increment=1)
-        log.append({"loss": float(loss), "lr": float(lr), "grad_norm": float(grad_norm or 0.0),
-                    "ok": bool(ok)})
+        log.append(
+            {
+                "loss": float(loss),
+                "lr": float(lr),
+                "grad_norm": float(grad_norm or 0.0),
+                "ok": bool(ok),
+            }
+        )
     return log
 
 
@@ -199,8 +257,9 @@ def _weights(model: Any) -> list[torch.Tensor]:
     return [p.detach().float().cpu().clone() for p in model.parameters()]
 
 
-def _one_recipe(a: argparse.Namespace, recipe: str, train: Any, rank: int, world: int,
-                ckdir: Path) -> dict[str, Any]:
+def _one_recipe(
+    a: argparse.Namespace, recipe: str, train: Any, rank: int, world: int, ckdir: Path
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     model, ddp, opt, sched = _build(a, recipe, seed=0)
     full = _train(a, ddp, opt, sched, _batches(train, a, rank, world, 0), a.steps)
@@ -210,8 +269,15 @@ def _one_recipe(a: argparse.Namespace, recipe: str, train: Any, rank: int, world
     model, ddp, opt, sched = _build(a, recipe, seed=0)
     _train(a, ddp, opt, sched, _batches(train, a, rank, world, 0), a.split)
     path = ckdir / f"{recipe}_rank{rank}.pt"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "update": a.split}, path)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "update": a.split,
+        },
+        path,
+    )
     del model, ddp, opt, sched
 
     # Different seed: a continuation that matches can only come from the checkpoint.
@@ -220,11 +286,10 @@ def _one_recipe(a: argparse.Namespace, recipe: str, train: Any, rank: int, world
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
     sched.load_state_dict(ck["scheduler"])
-    cont = _train(a, ddp, opt, sched, _batches(train, a, rank, world, a.split),
-                  a.steps - a.split)
+    cont = _train(a, ddp, opt, sched, _batches(train, a, rank, world, a.split), a.steps - a.split)
     new_w = _weights(model)
     max_diff = max(float((x - y).abs().max()) for x, y in zip(ref_w, new_w, strict=True))
-    ref_tail = full[a.split:]
+    ref_tail = full[a.split :]
     return {
         "recipe": recipe,
         "uninterrupted": full,
@@ -267,21 +332,32 @@ def main(argv: list[str] | None = None) -> int:
         losses = [e["loss"] for e in r["uninterrupted"]]
         good = all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
         failed |= not good
-        rows.append(f"{r['recipe']:12s} {losses[0]:9.4f} {losses[-1]:9.4f} "
-                    f"{'yes' if good else 'NO':>5s} {str(r['losses_equal']):>7s} "
-                    f"{str(r['lrs_equal']):>6s} {str(r['weights_equal']):>8s} "
-                    f"{r['max_weight_diff']:10.3e} {r['seconds']:7.1f}")
-    print(f"Megatron-Core {megatron.core.__version__} GPT smoke, TP=PP=1, DP={world}, "
-          f"{'fp32' if a.fp32 else 'bf16'}, {a.steps} updates, checkpoint at {a.split}")
-    print(f"{'recipe':12s} {'loss[0]':>9s} {'loss[-1]':>9s} {'falls':>5s} {'losses=':>7s} "
-          f"{'lrs=':>6s} {'weights=':>8s} {'max|dw|':>10s} {'s':>7s}")
+        rows.append(
+            f"{r['recipe']:12s} {losses[0]:9.4f} {losses[-1]:9.4f} "
+            f"{'yes' if good else 'NO':>5s} {str(r['losses_equal']):>7s} "
+            f"{str(r['lrs_equal']):>6s} {str(r['weights_equal']):>8s} "
+            f"{r['max_weight_diff']:10.3e} {r['seconds']:7.1f}"
+        )
+    print(
+        f"Megatron-Core {megatron.core.__version__} GPT smoke, TP=PP=1, DP={world}, "
+        f"{'fp32' if a.fp32 else 'bf16'}, {a.steps} updates, checkpoint at {a.split}"
+    )
+    print(
+        f"{'recipe':12s} {'loss[0]':>9s} {'loss[-1]':>9s} {'falls':>5s} {'losses=':>7s} "
+        f"{'lrs=':>6s} {'weights=':>8s} {'max|dw|':>10s} {'s':>7s}"
+    )
     print("\n".join(rows))
     doc = {
         "schema": "gefen-x/megatron_gpt_smoke/1",
-        "argv": sys.argv, "options": {k: str(v) for k, v in vars(a).items()},
-        "versions": {"torch": torch.__version__, "megatron_core": megatron.core.__version__,
-                     "python": platform.python_version()},
-        "device": torch.cuda.get_device_name(0), "world_size": world,
+        "argv": sys.argv,
+        "options": {k: str(v) for k, v in vars(a).items()},
+        "versions": {
+            "torch": torch.__version__,
+            "megatron_core": megatron.core.__version__,
+            "python": platform.python_version(),
+        },
+        "device": torch.cuda.get_device_name(0),
+        "world_size": world,
         "results": results,
     }
     out = a.out / "megatron_gpt_smoke.json"

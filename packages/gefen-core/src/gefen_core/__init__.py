@@ -4,8 +4,8 @@ byte of optimizer state per parameter.
 Public API: :class:`Gefen` (the ``torch.optim.Optimizer``) and :func:`gefen` (the functional
 step over tensor lists); :class:`GefenMuon` (Muon with Gefen's quantized momentum) and
 :class:`GefenMuonHybrid` (Muon for hidden matrices, Gefen or AdamW for the rest), with
-:func:`split_params_for_muon` / :func:`validate_split` for the routing. The fused per-tensor ops come from ``gefen_kernels``, whose
-``KERNEL_API_VERSION`` is checked here at import.
+:func:`split_params_for_muon` / :func:`validate_split` for the routing. The fused per-tensor
+ops come from ``gefen_kernels``, whose ``KERNEL_API_VERSION`` is checked here at import.
 """
 
 from __future__ import annotations

@@ -39,7 +39,10 @@ def is_dtensor(t: Tensor) -> bool:
 
 def local(t: Tensor) -> Tensor:
     """The tensor Gefen steps: a DTensor's local shard (§0.3), else the tensor itself."""
-    return t.to_local() if is_dtensor(t) else t
+    if is_dtensor(t):
+        shard: Tensor = t.to_local()  # type: ignore[attr-defined]  # DTensor narrows at runtime
+        return shard
+    return t
 
 
 def local_numel(t: Tensor) -> int:

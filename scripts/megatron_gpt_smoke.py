@@ -32,6 +32,7 @@ import platform
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -130,6 +131,7 @@ def _build(a: argparse.Namespace, recipe: str, seed: int) -> tuple[Any, Any, Any
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from gefen_dist.megatron import get_gefen_megatron_optimizer
@@ -156,12 +158,15 @@ def _build(a: argparse.Namespace, recipe: str, seed: int) -> tuple[Any, Any, Any
         max_sequence_length=a.seq,
         share_embeddings_and_output_weights=True,
     ).cuda()
+    # Megatron's own training entry wraps a bf16 model the same way: the module holds bf16
+    # parameters and the wrapper casts the fp32 inputs and outputs at its boundary.
+    module = Float16Module(tcfg, model) if bf16 else model
     ddp = DistributedDataParallel(
         config=tcfg,
         ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         ),
-        module=model,
+        module=module,
     )
     ocfg = OptimizerConfig(
         lr=a.lr,
@@ -317,7 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(_one_recipe(a, recipe, train, rank, world, a.out))
             except Exception as exc:  # noqa: BLE001 - report every recipe, then fail
                 failed = True
-                results.append({"recipe": recipe, "error": f"{type(exc).__name__}: {exc}"})
+                results.append(
+                    {
+                        "recipe": recipe,
+                        "error": f"{type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc(),
+                    }
+                )
         dist.barrier()
         dist.destroy_process_group()
     if rank != 0:

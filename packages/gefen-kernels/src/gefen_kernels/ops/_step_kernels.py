@@ -220,8 +220,9 @@ def _step_partial_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, part_max_ptr, part_sq_ptr,
                          num_splits, b1, omb1, SPLIT: tl.constexpr, TILE: tl.constexpr,
                          FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr):
     """Split route, phase 1: max |m| (NaN-propagating) and sum g^2 of one slice of a block."""
-    block = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    block = pid // num_splits
+    split = pid % num_splits
     lanes = tl.arange(0, TILE).to(tl.int64)
     s_old = tl.load(s_ptr + block)
     acc_max = tl.zeros([TILE], dtype=tl.float32)
@@ -244,13 +245,14 @@ def _step_partial_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, part_max_ptr, part_sq_ptr,
 @jit(do_not_specialize=["seed"])
 def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr, col_ptr,  # type: ignore[no-untyped-def]
                        inv_rbar_ptr, cb_ptr, table_ptr, hyper_ptr, seed_ptr, period, ncols,
-                       b1, omb1, eps, lr, bc2, bc1, decay, seed,
+                       num_splits, b1, omb1, eps, lr, bc2, bc1, decay, seed,
                        SPLIT: tl.constexpr, TILE: tl.constexpr, FACTORED: tl.constexpr,
                        MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
                        SEED_PTR: tl.constexpr, STEPS: tl.constexpr):
     """Split route, phase 2: recompute m with the old scale, quantise with the new one, write."""
-    block = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    block = pid // num_splits
+    split = pid % num_splits
     lanes = tl.arange(0, TILE).to(tl.int64)
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
     s_old = tl.load(s_ptr + block)
@@ -339,7 +341,8 @@ def launch_step(
         num_splits = triton.cdiv(period, split_elements)
         part_max = torch.empty(num_blocks, num_splits, dtype=torch.float32, device=param.device)
         part_sq = torch.empty_like(part_max) if not factored else part_max
-        _step_partial_kernel[(num_blocks, num_splits)](
+        # One flat grid axis: CUDA caps grid y at 65535, which blocks or splits can exceed.
+        _step_partial_kernel[(num_blocks * num_splits,)](
             flat_g, codes, scale, codebook, part_max, part_sq, period, num_splits, b1,
             f32(1.0 - b1), SPLIT=split_elements, TILE=min(loop_tile, split_elements),
             FACTORED=factored, MAXIMIZE=bool(maximize), num_warps=8, **LAUNCH_OPTIONS)
@@ -355,9 +358,9 @@ def launch_step(
             exp_avg_sq.view(-1).copy_(v_new)
             h = torch.sqrt(v_new) * bc2_s
             sigma = torch.reciprocal(h + f32(eps)) * bc1_s
-        _step_apply_kernel[(num_blocks, num_splits)](
+        _step_apply_kernel[(num_blocks * num_splits,)](
             flat_p, flat_g, codes, scale, s_new, sigma, row_ptr, col_ptr, inv_ptr, codebook,
-            table, hyper_ptr, seed_ptr, period, ncols, b1, f32(1.0 - b1), f32(eps), scal["lr"],
+            table, hyper_ptr, seed_ptr, period, ncols, num_splits, b1, f32(1.0 - b1), f32(eps), scal["lr"],
             scal["bc2"], scal["bc1"], scal["decay"], to_signed64(seed),
             SPLIT=split_elements, TILE=min(loop_tile, split_elements), **common, **flags,
             num_warps=8, **LAUNCH_OPTIONS)

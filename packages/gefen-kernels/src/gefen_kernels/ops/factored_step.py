@@ -175,8 +175,9 @@ def _factored_stats_kernel(g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, n_co
     shape, so the scratch is bounded (``R * n_col_tiles + n_row_programs * C`` floats, a few
     MiB at most) however many rows there are. Offsets are int64.
     """
-    pr = tl.program_id(0).to(tl.int64)
-    pc = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    pr = pid // n_col_tiles
+    pc = pid % n_col_tiles
     cols = pc * CB + tl.arange(0, CB).to(tl.int64)
     cmask = cols < ncols
     col_acc = tl.zeros([CB], dtype=tl.float32)
@@ -271,7 +272,7 @@ def _stats_partials(grad: Tensor, layout: tuple[int, int, int, int, int] | None 
                           device=grad.device)
     row_part = scratch[:n_rows_part].view(rows, n_col_tiles)
     col_part = scratch[n_rows_part:n_rows_part + n_row_programs * cols].view(n_row_programs, cols)
-    _factored_stats_kernel[(n_row_programs, n_col_tiles)](
+    _factored_stats_kernel[(n_row_programs * n_col_tiles,)](
         grad, row_part, col_part, rows, cols, n_col_tiles, rows_per_program, RB=rb, CB=cb,
         num_warps=8, **LAUNCH_OPTIONS)
     return row_part, col_part, scratch[-1:]

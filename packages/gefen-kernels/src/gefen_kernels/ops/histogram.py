@@ -144,8 +144,9 @@ def _histogram_tile_kernel(g_ptr, counts_ptr, num_blocks, period, BPP: tl.conste
 def _histogram_partial_max_kernel(g_ptr, part_ptr, period, num_splits, SPLIT: tl.constexpr,  # type: ignore[no-untyped-def]
                                   TILE: tl.constexpr):
     """Split route, phase 1: max |g| of one slice of a block (Inf if a NaN/Inf is seen)."""
-    block = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    block = pid // num_splits
+    split = pid % num_splits
     lanes = tl.arange(0, TILE).to(tl.int64)
     acc = tl.zeros([TILE], dtype=tl.float32)
     for start in range(0, SPLIT, TILE):
@@ -158,11 +159,12 @@ def _histogram_partial_max_kernel(g_ptr, part_ptr, period, num_splits, SPLIT: tl
 
 
 @jit
-def _histogram_split_kernel(g_ptr, amax_ptr, counts_ptr, period, SPLIT: tl.constexpr,  # type: ignore[no-untyped-def]
-                            TILE: tl.constexpr, NUM_BINS: tl.constexpr):
+def _histogram_split_kernel(g_ptr, amax_ptr, counts_ptr, period, num_splits,  # type: ignore[no-untyped-def]
+                            SPLIT: tl.constexpr, TILE: tl.constexpr, NUM_BINS: tl.constexpr):
     """Split route, phase 2: bin one slice of a block with the block's max (skip if not finite)."""
-    block = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    block = pid // num_splits
+    split = pid % num_splits
     lanes = tl.arange(0, TILE).to(tl.int64)
     amax = tl.load(amax_ptr + block)
     if amax != float("inf"):
@@ -201,12 +203,13 @@ def histogram_triton(grad: Tensor, period: int, *, _route: str | None = None,
     num_splits = triton.cdiv(period, _split_elements)
     tile = min(_HIST_TILE, _split_elements)
     part = torch.empty(num_blocks, num_splits, dtype=torch.float32, device=grad.device)
-    _histogram_partial_max_kernel[(num_blocks, num_splits)](
+    # One flat grid axis: CUDA caps grid y at 65535, which blocks or splits can exceed.
+    _histogram_partial_max_kernel[(num_blocks * num_splits,)](
         flat, part, period, num_splits, SPLIT=_split_elements, TILE=tile, num_warps=8,
         **LAUNCH_OPTIONS)
     amax = part.amax(dim=1)
-    _histogram_split_kernel[(num_blocks, num_splits)](
-        flat, amax, counts, period, SPLIT=_split_elements, TILE=tile, NUM_BINS=HISTOGRAM_BINS,
+    _histogram_split_kernel[(num_blocks * num_splits,)](
+        flat, amax, counts, period, num_splits, SPLIT=_split_elements, TILE=tile, NUM_BINS=HISTOGRAM_BINS,
         num_warps=8, **LAUNCH_OPTIONS)
     return counts
 

@@ -109,7 +109,7 @@ summary = {
     "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
     "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                  "triton": version("triton"), "nvidia_driver": driver,
-                 **{n: version(n) for n in ("gefen-x", "gefen-core", "gefen-kernels", "gefen-dist", "gefen-bench", "deepspeed", "transformers")}},
+                 **{n: version(n) for n in ("gefen-x", "gefen-core", "gefen-kernels", "gefen-dist", "gefen-bench", "deepspeed", "megatron-core", "transformers")}},
     "host": socket.gethostname(),
     "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     "wall_s": seconds,

@@ -14,7 +14,8 @@
 # the multi-GPU part as NOT RUN, which is a failure (exit 3) by design: a one-GPU machine can
 # dry-run the gate but never pass it. Exit: 0 all passed; 1 a test failed or skipped;
 # 2 usage or environment error; 3 single-GPU part passed, multi-GPU part not run.
-# Per-package JSON counts go to --report-dir (default: a temporary directory).
+# Per-package JSON counts go to --report-dir (default: a temporary directory); what passing
+# tests print (e.g. the DeepSpeed offload-vs-no-offload loss curves) is shown (-rP).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -69,7 +70,7 @@ for pkg in "${packages[@]}"; do
   [[ $installed -eq 1 ]] && extra+=(--gefen-require-installed)
   echo "=== $pkg"
   start=$(date +%s)
-  (cd "$dir" && PYTHONPATH="$pythonpath" "$PYTHON" -m pytest tests -ra -q -m "$marker" \
+  (cd "$dir" && PYTHONPATH="$pythonpath" "$PYTHON" -m pytest tests -ra -rP -q -m "$marker" \
       -p gefen_pytest_gates --gefen-fail-on-skip --gefen-summary "$report_dir/$pkg.json" \
       -o timeout=1800 --strict-markers -p no:cacheprovider "${extra[@]}")
   rc=$?

@@ -111,3 +111,19 @@ def test_flipped_code_fails_the_command(tmp_path):
     # The damaged code loads (it is a valid code), so only the exact comparison can catch it.
     assert not any("resume failed" in e for e in r["errors"]), r["errors"]
     assert any(d.startswith("optimizer:") for d in r["differences"]), r["differences"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(900)
+def test_gate_passes_on_cuda_bf16_fused():
+    """The gate on one GPU with fused kernels in bf16 (issue: resume gate on the H200), and a
+    damaged checkpoint still fails it there."""
+    results = run_gate(list(resume.RECIPES), default_options(device="cuda", bf16=True, **FAST))
+    assert [r.recipe for r in results] == list(resume.RECIPES)
+    assert all(r.passed for r in results), _explain(results)
+    assert all(r.optimizer_steps == FAST["steps"] and r.losses[-1] < r.losses[0]
+               for r in results)
+    (broken,) = run_gate(["gefen"], default_options(device="cuda", bf16=True,
+                                                    break_="flip_code", **FAST))
+    assert not broken.passed and broken.differences

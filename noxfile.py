@@ -85,7 +85,8 @@ class Env:
     """A virtual environment outside nox's own, driven through ``session.run``."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        # Absolute: sessions chdir (e.g. into an unpacked sdist) and still run this python.
+        self.path = path.resolve()
         self.bin = path / ("Scripts" if os.name == "nt" else "bin")
         self.python = str(self.bin / "python")
 

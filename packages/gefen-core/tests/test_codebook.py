@@ -117,15 +117,17 @@ def _count_ties(arg, tie, m: int, k: int) -> int:
     return n
 
 
-# Solver configurations: default routing; divide and conquer for every layer; certified windows
-# from layer 3 on; windows whose dense pass and guessed right ends are too small, so most rows
-# fail the certification and go through the repair loop (one row per round, no span).
+# Solver configurations: default routing; divide and conquer for every layer; windows from
+# layer 3 on; windows of one cached candidate with no repair span, so most rows fail the
+# certification and go through the repair loop one row per round; every scan in the ragged
+# layout; every scan in the dense layout.
 _MODES = {
     "default": {},
-    "dc": {"_DC_LAYERS": 10**9},
-    "windows": {"_DC_LAYERS": 3},
-    "windows_repairs": {"_DC_LAYERS": 3, "_DENSE_WIDTH": 1, "_GUESS_MARGIN": -3,
-                        "_REPAIR_SPAN": 1},
+    "dc": {"_WINDOW_FROM": 10**9},
+    "windows": {"_WINDOW_FROM": 3},
+    "windows_repairs": {"_WINDOW_FROM": 3, "_DENSE_WIDTH": 1, "_REPAIR_SPAN": 1},
+    "ragged_scans": {"_DENSE_SCAN_MAX": 1},
+    "dense_scans": {"_DENSE_SCAN_MAX": 10**6, "_DENSE_WIDTH": 2},
 }
 
 
@@ -268,6 +270,84 @@ def test_histogram_sized_instance_equals_textbook(mode):
     x, w, (ref_c, ref_cost) = _histogram_instance()
     c, cost = _solve(x, w, 48)
     assert np.array_equal(c, ref_c) and cost == ref_cost
+
+
+# Tie-heavy families (issue 3): the result must equal the textbook's tie choices, not only its
+# cost. Bin centres are dyadic, so equal counts on mirrored bins give bit-equal costs.
+def _centres_and_counts(bins: np.ndarray, counts: np.ndarray):
+    centres = histogram_bin_centers().numpy().astype(np.float64)
+    order = np.argsort(bins)
+    return centres[bins[order]], counts[order].astype(np.float64)
+
+
+@functools.cache
+def _tie_family(name: str, seed: int):
+    rng = np.random.default_rng(seed)
+    if name == "symmetric":
+        # Mirror-symmetric bins and counts: every partition has a mirror of equal cost.
+        half = np.sort(rng.choice(np.arange(2048, 4096), size=60, replace=False))
+        bins = np.concatenate([4095 - half[::-1], half])
+        c = rng.integers(1, 4, size=60)
+        counts = np.concatenate([c[::-1], c])
+        k = int(rng.integers(6, 40))
+    elif name == "equal_counts":
+        # Evenly spaced bins, one count: translated segments cost exactly the same.
+        stride = int(rng.choice([1, 2, 8, 32]))
+        first = int(rng.integers(0, stride))
+        bins = np.arange(first, 4096, stride)[:int(rng.integers(40, 120))]
+        counts = np.full(bins.size, int(rng.integers(1, 1000)))
+        k = int(rng.integers(3, min(bins.size, 48)))
+    elif name == "sparse":
+        # Few mirrored active bins far apart with unit counts, just above k: most segments are
+        # forced singletons and the free choices come in mirrored pairs of equal cost.
+        k = int(rng.integers(4, 40))
+        half = np.sort(rng.choice(np.arange(2048, 4096), size=(k + 6) // 2, replace=False))
+        bins = np.concatenate([4095 - half[::-1], half])
+        counts = np.ones(bins.size, np.int64)
+    elif name == "one_heavy_bin":
+        # Almost all mass in one bin, unit counts on evenly spaced bins elsewhere (the ends
+        # included): equal-cost alternatives on both sides of the heavy bin.
+        stride = int(rng.choice([16, 32, 64]))
+        bins = np.unique(np.concatenate([np.arange(0, 4096, stride), [4095]]))
+        counts = np.ones(bins.size, np.int64)
+        counts[int(rng.integers(1, bins.size - 1))] = 2**40
+        k = int(rng.integers(3, 40))
+    else:
+        raise AssertionError(name)
+    x, w = _centres_and_counts(bins, counts)
+    k = min(k, x.size)
+    return x, w, k, textbook_vectorised(x, w, k)
+
+
+@pytest.mark.parametrize("name", ["symmetric", "equal_counts", "sparse", "one_heavy_bin"])
+@pytest.mark.parametrize("seed", range(3))
+def test_tie_heavy_histograms_equal_textbook(mode, name, seed):
+    x, w, k, (ref_c, ref_cost) = _tie_family(name, seed)
+    c, cost = _solve(x, w, k)
+    assert np.array_equal(c, ref_c), (name, seed, k)
+    assert cost == ref_cost
+
+
+@functools.cache
+def _sparse_codebook_instance():
+    # 300 active bins (more than 256 codewords): a symmetric, equal-count histogram with the
+    # end bins active, solved by optimal_codebook at K = 256 and by the textbook recurrence.
+    rng = np.random.default_rng(12)
+    half = np.sort(rng.choice(np.arange(2049, 4095), size=149, replace=False))
+    bins = np.concatenate([[0], 4095 - half[::-1], half, [4095]])
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    c = torch.from_numpy(rng.integers(1, 3, size=149))
+    counts[torch.from_numpy(bins)] = torch.cat([torch.tensor([7]), c.flip(0), c,
+                                                torch.tensor([7])])
+    x, w = _centres_and_counts(bins, counts.numpy()[bins])
+    return counts, textbook_vectorised(x, w, NUM_CODEWORDS)
+
+
+def test_sparse_symmetric_histogram_codebook_equals_textbook(mode):
+    counts, (ref_c, _) = _sparse_codebook_instance()
+    c = optimal_codebook(counts)
+    _check_codebook(c)
+    assert torch.equal(c, torch.from_numpy(ref_c).float())
 
 
 # ------------------------------------------------------------------------------------------

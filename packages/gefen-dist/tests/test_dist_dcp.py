@@ -7,6 +7,9 @@
   (momentum within half a codebook gap of the block scale; second moment equal to the fp64
   mean of the saved values over the new block).
 * A load that is malformed on one rank fails on every rank and changes nothing.
+* Factored second moment (``_factored_checks``, in the same spawned ranks): native resume
+  bit for bit, and GefenDCPState 2 -> 1 and 1 -> 2 restoring codes, scales, ``r`` and ``k``
+  exactly.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from _dist_models import (
     shard,
     train,
 )
+from _factored_checks import check_factored_checkpoints, factored_checkpoint_jobs
 
 from gefen_dist.testing import run_distributed
 
@@ -119,6 +123,9 @@ def _scenario(rank: int, world: int, tmp: str, jobs: list) -> dict:
     ("resume", tag) loads tag's checkpoint and continues J steps."""
     out = {}
     for kind, tag, kw_name in jobs:
+        if kind == "factored":
+            out[("factored", world)] = factored_checkpoint_jobs(rank, world, tmp, tag)
+            continue
         kw = ALIGNED_KW if kw_name == "aligned" else {}
         opt_kw = ALIGNED_OPT_KW if kw_name == "aligned" else {}
         data = _data(kw)
@@ -173,17 +180,22 @@ def _check_reblocked(saved: dict, resumed: dict, codebook_gap: float) -> dict:
 def test_dcp_reshard_2_4_1_2(tmp_path):
     tmp = str(tmp_path)
     kws = ("aligned", "small")
-    s2 = run_distributed(_scenario, 2, tmp, [("train_save", "w2", k) for k in kws],
+    s2 = run_distributed(_scenario, 2, tmp, [("train_save", "w2", k) for k in kws]
+                         + [("factored", ["native", "save"], None)],
                          timeout=300, collective_timeout=120)[0]
     s4 = run_distributed(_scenario, 4, tmp, [("resume", "w2", k) for k in kws]
                          + [("train_save", "w4", k) for k in kws],
                          timeout=300, collective_timeout=120)[0]
     s1 = run_distributed(_scenario, 1, tmp, [("resume", "w2", k) for k in kws]
-                         + [("train_save", "w1", k) for k in kws],
+                         + [("train_save", "w1", k) for k in kws]
+                         + [("factored", ["load2", "save"], None)],
                          timeout=300, collective_timeout=120)[0]
     s2b = run_distributed(_scenario, 2, tmp, [("resume", "w4", k) for k in kws]
-                          + [("resume", "w1", k) for k in kws],
+                          + [("resume", "w1", k) for k in kws]
+                          + [("factored", ["load1"], None)],
                           timeout=300, collective_timeout=120)[0]
+    check_factored_checkpoints({**s2.pop(("factored", 2)), **s2b.pop(("factored", 2))},
+                               s1.pop(("factored", 1)))
     runs = {**s2, **s4, **s1, **s2b}
     moves = (("w2", "w2-on4"), ("w2", "w2-on1"), ("w4", "w4-on2"), ("w1", "w1-on2"))
     # Aligned: 2->4, 2->1, 4->2, 1->2 continue bit-identically, and the three uninterrupted

@@ -4,6 +4,10 @@ training matches a single process bit for bit when the periods agree.
 Every rank feeds the same batch, so FSDP2's averaged reduce-scatter returns exactly the
 single-process gradient ((g + g) / 2 and the 4-rank sum are exact in binary floating point);
 any difference would then come from the optimizer.
+
+The same ranks also run the factored second-moment checks (``_factored_checks``): statistics
+of the global matrix, within derived bounds of a lock-stepped single process, uneven and empty
+shards, and a one-rank failure before the all-reduce raising on every rank.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist_models import batches, full_params, make_model, shard, train
+from _factored_checks import check_factored_training, factored_training
 
 from gefen_dist.testing import run_distributed
 
@@ -93,6 +98,9 @@ def _fsdp_worker(rank: int, world: int) -> dict:
         mp_losses[-1] < mp_losses[0]
     out["mp_same_codebook_on_all_ranks"] = _gathered_equal(mp_opt._codebook.numpy().tobytes())
     out["mp_same_periods_on_all_ranks"] = _gathered_equal(sorted(mp_opt.search_periods.items()))
+
+    # --- Factored second moment (factored_v_2d=True), in the same process group ----------
+    out["factored"] = factored_training(rank, world)
     return out
 
 
@@ -111,6 +119,7 @@ def test_fsdp2_sharded_gefen_matches_single_process(world):
         assert r["cpu_offload_identical"], rank
         assert r["mp_finite_and_learning"], rank
         assert r["mp_same_codebook_on_all_ranks"] and r["mp_same_periods_on_all_ranks"], rank
+    check_factored_training([r["factored"] for r in results], world)
     # registers [3, 32]: uneven on 2 ranks (2 + 1 rows); on 4 ranks rank 3's shard is empty.
     if world == 4:
         assert results[3]["empty_shards"] == ["registers"]

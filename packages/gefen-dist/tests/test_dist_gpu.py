@@ -1,6 +1,7 @@
 """GPU (world size 1, NCCL for CUDA and gloo for CPU tensors): FSDP2 + ShardedGefen with the
-fused kernels, against a single-process Gefen with the same periods; a DCP round trip (sync
-with the planner, and async) that continues bit-identically.
+fused kernels (per-block and factored second moment), against a single-process Gefen with the
+same periods; a DCP round trip (sync with the planner, and async) that continues
+bit-identically.
 
 ``deterministic=True`` on both sides: the fused factored/two-phase kernels use float atomics
 otherwise (§1.15), which would make even two single-process runs differ at ulp level.
@@ -20,13 +21,13 @@ from gefen_dist.testing import run_distributed
 K, J = 3, 2
 
 
-def _gpu_worker(rank: int, world: int, tmp: str) -> dict:
+def _gpu_worker(rank: int, world: int, tmp: str, factored: bool) -> dict:
     from gefen_core import Gefen
     from gefen_dist import GefenDCPState, ShardedGefen
 
     torch.cuda.set_device(rank)
     data = [(x.cuda(), y.cuda()) for x, y in batches(K + J, batch=4, seq=16, seed=4)]
-    kw = dict(lr=3e-3, factored_v_2d=False, deterministic=True)
+    kw = dict(lr=3e-3, factored_v_2d=factored, deterministic=True)
 
     model = shard(make_model(seed=0).cuda())
     opt = ShardedGefen(model.named_parameters(), **kw)
@@ -66,9 +67,52 @@ def _gpu_worker(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_gpu_fsdp2_nccl_world1_matches_and_resumes(tmp_path):
-    r = run_distributed(_gpu_worker, 1, str(tmp_path), backend="cpu:gloo,cuda:nccl",
+@pytest.mark.parametrize("factored", [False, True], ids=["block", "factored"])
+def test_gpu_fsdp2_nccl_world1_matches_and_resumes(tmp_path, factored):
+    """``factored``: 2-D shards take the factored second moment from all-reduced row/column
+    statistics (the two-call partial-stats + finalize kernels), which must equal the one-call
+    factored step of a single-process Gefen bit for bit when the shard is the whole matrix."""
+    r = run_distributed(_gpu_worker, 1, str(tmp_path), factored, backend="cpu:gloo,cuda:nccl",
                         timeout=500, collective_timeout=240)[0]
     assert r["paths"] == ["fused"], r["paths"]
     assert r["matches_single_process"]
     assert r["sync_resume_exact"] and r["async_resume_exact"], r
+
+
+def _muon_gpu_worker(rank: int, world: int, backup: str) -> dict:
+    from gefen_core import GefenMuonHybrid
+    from gefen_dist import ShardedGefenMuon, ShardedGefenMuonHybrid, aligned_period
+
+    torch.cuda.set_device(rank)
+    data = [(x.cuda(), y.cuda()) for x, y in batches(K + J, batch=4, seq=16, seed=4)]
+    kw = dict(lr=3e-3, backup_optimizer=backup, sharded_mode="exact", fused=True,
+              deterministic=True)
+    model = shard(make_model(seed=0).cuda())
+    hyb = ShardedGefenMuonHybrid(model, **kw)
+    losses = train(model, hyb, data)
+    final = full_params(model)
+    ref = make_model(seed=0).cuda()
+    ref_hyb = GefenMuonHybrid(ref, **kw)
+    if backup == "gefen":  # the same shard-aligned periods, as in the Gefen test above
+        for g in ref_hyb.backup.param_groups:
+            for p, n in zip(g["params"], g["param_names"]):
+                ref_hyb.backup.state[p]["period"] = aligned_period(
+                    hyb.backup.search_periods[n], tuple(p.shape), world)
+    ref_losses = train(ref, ref_hyb, data)
+    return {"muon_is_sharded": isinstance(hyb.muon, ShardedGefenMuon),
+            "muon_paths": sorted(set(hyb.muon.step_paths().values())),
+            "losses_equal": losses == ref_losses,
+            "params_differing": sorted(n for n, p in ref.named_parameters()
+                                       if not torch.equal(p.detach().cpu(), final[n]))}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backup", ["gefen", "adamw"])
+def test_gpu_sharded_muon_hybrid_nccl_world1_matches_single_process(tmp_path, backup):
+    """ShardedGefenMuonHybrid (exact mode, fused Muon momentum kernel) on FSDP2 with NCCL equals
+    the single-process GefenMuonHybrid on the same GPU bit for bit."""
+    r = run_distributed(_muon_gpu_worker, 1, backup, backend="cpu:gloo,cuda:nccl",
+                        timeout=500, collective_timeout=240)[0]
+    assert r["muon_is_sharded"] and r["muon_paths"] == ["fused"], r
+    assert r["params_differing"] == [] and r["losses_equal"], r

@@ -5,11 +5,11 @@ only the compiler front end sees: an ``int`` argument equal to 1 becomes the *co
 Triton specialises it (``period.to(tl.float32)`` then fails), a pointer or integer divisible
 by 16 gets an alignment attribute, a ``tl.constexpr`` branch that the interpreter never took is
 type-checked. This script drives the real launchers (``block_step_triton``,
-``factored_step_triton``, ``multi_block_step_triton``, the quantize launchers) over every route
-and constexpr combination they can pick, records each launch instead of running it, applies
-Triton's launch-time specialisation rules (ints equal to 1 -> constexpr, ints and pointers
-divisible by 16 -> ``tt.divisibility``), and compiles the result ahead of time with
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``.
+``factored_step_triton``, ``multi_block_step_triton``, the quantize launchers, the Muon
+momentum launcher) over every route and constexpr combination they can pick, records each
+launch instead of running it, applies Triton's launch-time specialisation rules (ints equal
+to 1 -> constexpr, ints and pointers divisible by 16 -> ``tt.divisibility``), and compiles the
+result ahead of time with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``.
 
 Usage (from ``packages/gefen-kernels``)::
 
@@ -291,6 +291,38 @@ def scenarios() -> Iterator[Callable[[], None]]:
                     hyper=torch.ones(len(shapes), 4),
                     seeds=torch.ones(len(shapes), dtype=torch.int64), **flags)
         yield run_m
+    # The Muon momentum (§3.8): every route, dtype and constexpr flag.
+    from gefen_kernels.ops._muon_kernels import launch_muon_momentum
+
+    muon_shapes = [(1, 1, None), (16, 1, None), (4097, 1, None), (3, 7, None), (64, 16, None),
+                   (2, 2048, None), (1, 4096, None), (5, 5003, "loop"),
+                   (160, 4096 + 16, "loop"), (2, 4099, "split"), (1, 32768, "split")]
+    muon_dtype_shapes = {(3, 7, None), (5, 5003, "loop"), (2, 4099, "split")}
+    for (nb, period, route) in muon_shapes:
+        for gdt in (gdtypes if (nb, period, route) in muon_dtype_shapes
+                    else (torch.bfloat16,)):
+            def run_mu(nb: int = nb, period: int = period, route: str | None = route,
+                       gdt: torch.dtype = gdt) -> None:
+                q, s, _ = block_state(nb, period)
+                g = torch.zeros(nb * period, dtype=gdt)
+                for flags in ({"nesterov": False}, {"nesterov": True},
+                              {"nesterov": True, "maximize": True, "stochastic_round": True},
+                              {"nesterov": False, "stochastic_round": True,
+                               "seed_tensor": torch.ones(1, dtype=torch.int64)}):
+                    kw: dict[str, Any] = dict(beta=0.95, maximize=False, stochastic_round=False,
+                                              seed=3, seed_tensor=None)
+                    kw.update(flags)
+                    launch_muon_momentum(g, q, s, cb, torch.empty_like(g), route=route, **kw)
+            yield run_mu
+    for codebook in cbs:
+        def run_mt(codebook: torch.Tensor = codebook) -> None:
+            q, s, _ = block_state(4, 64)
+            for use_table in (True, False):
+                launch_muon_momentum(torch.zeros(256), q, s, codebook, torch.empty(256),
+                                     beta=0.9, nesterov=True, maximize=False,
+                                     stochastic_round=False, seed=0, seed_tensor=None,
+                                     use_table=use_table)
+        yield run_mt
     _search_table._CACHE.clear()
 
 

@@ -50,17 +50,24 @@ def local_numel(t: Tensor) -> int:
     return local(t).numel()
 
 
-def is_factored(param: Tensor, group: dict[str, Any]) -> bool:
-    """Factored second moment (§1.11) for plain 2-D tensors when ``factored_v_2d`` is set;
-    sharded (DTensor) matrices use block mode, since local row/column statistics are wrong."""
-    return bool(group["factored_v_2d"]) and param.ndim == 2 and not is_dtensor(param)
+def is_factored(param: Tensor, group: dict[str, Any], *, sharded: bool = False) -> bool:
+    """Factored second moment (§1.11) for 2-D tensors when ``factored_v_2d`` is set.
+
+    A DTensor matrix is factored only when ``sharded`` is true: its local rows' column sums
+    and ``sum(r)`` are partial, so only an optimizer that reduces them across the shards
+    (``Gefen._factored_statistics`` overridden, e.g. ``gefen_dist.ShardedGefen``) may use
+    the factored form; otherwise it takes block mode."""
+    return bool(group["factored_v_2d"]) and param.ndim == 2 and (
+        sharded or not is_dtensor(param))
 
 
-def choose_path(param: Tensor, group: dict[str, Any], *, deterministic: bool) -> Path:
-    """The implementation that steps ``param`` (see ``DISPATCH_RULE``)."""
+def choose_path(param: Tensor, group: dict[str, Any], *, deterministic: bool,
+                sharded_factored: bool = False) -> Path:
+    """The implementation that steps ``param`` (see ``DISPATCH_RULE``); ``sharded_factored``
+    as ``is_factored``'s ``sharded``."""
     fused = group["fused"]
     if fused is not False and fused_blocker(param) is None:
-        if not (deterministic and is_factored(param, group)):
+        if not (deterministic and is_factored(param, group, sharded=sharded_factored)):
             return "fused"
     if group["foreach"] is False:
         return "for_loop"

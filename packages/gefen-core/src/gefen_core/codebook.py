@@ -54,18 +54,25 @@ minimum, and a window position left of ``a(j)`` holding it would contradict ``a(
 leftmost minimiser, so ``b(j) = a(j)``. The window's minimum value is the textbook's
 ``D[k][j]`` bit for bit.
 
-Per layer the solver (a) scans ``_DENSE_WIDTH`` candidates from ``lo`` for every row in one
-``[width, rows]`` pass (a handful of vectorised numpy calls), (b) extends the rows whose guessed
-right end is further (the guess extrapolates the two previous layers' argmins; boundaries drift
-by about a row per layer) with one ragged pass, and (c) checks the condition above, widening
-failing rows to ``b(j + 1)`` (and the rows just below them, whose bound it also is) and scanning
-only the new candidates, replacing on strict improvement (new candidates lie to the right, so
-ties still keep the smallest ``i``), until no row fails. Windows only grow, so this terminates;
-at the end the condition holds, so the result is the textbook's. The guess only affects speed.
-Early layers, whose lower bounds from fact 2 are far from the argmins, use a level-synchronous
-divide and conquer over rows instead (fact 1 plus the same lower bound): each level scans the
-middle rows of all open row ranges in one ragged pass. The last layer is a single row
-(``j = M``), scanned in full. Backtracking follows the stored argmins, as the textbook does.
+Layers ``k >= _WINDOW_FROM`` scan, for every row, the window ``[lo(j), lo(j) + W - 1]``
+(``W = _DENSE_WIDTH``) in one ``[W, R]`` pass. The free-segment costs ``s2 - s1*s1/w`` of that
+window do not depend on the layer, and ``lo(j) = a_{k-1}(j)`` is the same as in the previous
+layer for most rows (about 97% late in the recurrence), so they are kept per row ``j`` and
+recomputed only where ``lo(j)`` moved; a window position past ``j`` holds ``+inf``. A layer then
+costs one gather of ``D[k-1]``, one addition and the leftmost-minimum reduction over ``W``
+columns. The top row (``hi = j`` by definition) is scanned in full with contiguous slices.
+Failing rows are widened to ``b(j + 1)`` (and the ``_REPAIR_SPAN`` rows just below them, whose
+bound it also is) scanning only the new candidates and replacing on strict improvement (new
+candidates lie to the right, so ties still keep the smallest ``i``), until no row fails.
+Windows only grow, so this terminates; at the end the condition holds, so the result is the
+textbook's. Early layers (``k < _WINDOW_FROM``), whose lower bounds from fact 2 are far from the
+argmins, use a level-synchronous divide and conquer over rows instead (fact 1 plus the same
+lower bound): rows sit on a binary tree by position, and each level scans the rows halfway
+between two solved ones (strided slices) in one pass. Scans of many short windows use a dense
+``[width, rows]`` layout (columns past a row's end repeat its last candidate, which never
+replaces under strict improvement); scans with long windows a flat ragged layout. The last layer
+is a single row (``j = M``), scanned in full. Backtracking follows the stored argmins, as the
+textbook does.
 
 Floating point: facts 1 and 2 are statements about exact arithmetic; the computed values carry
 rounding, so the two can only disagree where distinct candidates are equal up to rounding (a
@@ -73,9 +80,9 @@ near-tie decided by the last bit), and then the optimum differs from the textboo
 only. Exact ties (equal fp64 values) resolve to the smallest ``i`` on both.
 ``tests/test_codebook.py`` checks codebook, cost and tie choices against the textbook recurrence.
 
-Cost: for ``M = 4096``, ``K = 256`` about 2-4 candidates per row and layer after the first ~24
-layers (about 4.8 million candidate evaluations in all, against the textbook's 2e9) in about 40
-numpy calls per layer; ``gefen-bench codebook`` prints the measured time.
+Cost: for ``M = 4096``, ``K = 256`` about 4 candidates per row and layer after the first 22
+(about 5 million candidate evaluations in all, against the textbook's 2e9), most of them with
+cached segment costs; ``gefen-bench codebook`` prints the measured time.
 """
 
 from __future__ import annotations
@@ -101,18 +108,15 @@ HISTOGRAM_BINS = 4096
 
 ArrayLike = Tensor | np.ndarray | Sequence[float]
 
-# Layers k < _DC_LAYERS use divide and conquer (their proven lower bounds are far from the
-# argmins); later layers use windows. Only speed depends on these constants.
-_DC_LAYERS = 24
-# Every row of a window layer scans this many candidates from its lower bound in one dense pass.
+# Layers k >= _WINDOW_FROM use windows; earlier ones divide and conquer (their proven lower
+# bounds are far from the argmins). Only speed depends on these constants.
+_WINDOW_FROM = 24
+# Candidates per row of a window layer's dense pass (the cached segment costs).
 _DENSE_WIDTH = 4
-# Guess of the window's right end: a1 + max(a1 - a2, 0) + _GUESS_MARGIN with a1, a2 the argmins
-# of the two previous layers _GUESS_AHEAD rows further up (boundaries drift up by about one row
-# per layer). Correctness comes from the certification, never from the guess.
-_GUESS_AHEAD = 1
-_GUESS_MARGIN = 0
 # A failing row also widens this many rows (itself included) ending just below it.
 _REPAIR_SPAN = 8
+# Scans whose longest window has at most this many candidates use the dense layout.
+_DENSE_SCAN_MAX = 8
 
 
 def histogram_bin_centers() -> Tensor:
@@ -264,142 +268,208 @@ class _LayeredDP:
     """The layered recurrence of §1.8.3 with certified monotone-argmin windows (module docstring).
 
     Indices: points are ``1..M``; prefix arrays have ``M + 1`` entries (index ``r`` = the first
-    ``r`` points). Layer ``k`` has rows ``j = k .. k + R - 1`` with ``R = M - K + 1`` (the other
-    rows cannot lead to a ``K``-segment partition); row offset ``r = j - k``. ``D`` values are
-    indexed by ``j``; argmins are stored per layer by row offset.
+    ``r`` points) plus ``W`` entries of padding for windows that run past ``j``. Layer ``k`` has
+    rows ``j = k .. k + R - 1`` with ``R = M - K + 1`` (the other rows cannot lead to a
+    ``K``-segment partition); row offset ``r = j - k``. ``D`` values and cached costs are indexed
+    by ``j``; argmins are stored per layer by row offset.
     """
 
     def __init__(self, x: np.ndarray, w: np.ndarray, k: int) -> None:
         m = x.size
         self.m, self.k, self.rows = m, k, m - k + 1
+        self.width = width = max(1, _DENSE_WIDTH)
         wx = w * x
-        # Rows: W, S1, S2 (prefix sums at index r = the first r points) and D[k-1] of the layer
-        # being read. Left-to-right accumulation, as the textbook's.
-        self.tab = np.zeros((4, m + 1))
-        np.cumsum(w, out=self.tab[0, 1:])
-        np.cumsum(wx, out=self.tab[1, 1:])
-        np.cumsum(wx * x, out=self.tab[2, 1:])
-        self.pw, self.ps1, self.ps2, self.dprev = self.tab  # contiguous rows
+        # Rows: W, S1, S2 (left-to-right accumulation, as the textbook's) and two D buffers
+        # (D[k-1] read, D[k] written). The zero padding keeps reads past j finite.
+        self.tab = np.zeros((5, m + 1 + width))
+        np.cumsum(w, out=self.tab[0, 1:m + 1])
+        np.cumsum(wx, out=self.tab[1, 1:m + 1])
+        np.cumsum(wx * x, out=self.tab[2, 1:m + 1])
+        self.pw, self.ps1, self.ps2 = self.tab[:3]
+        self.dbuf = (self.tab[3], self.tab[4])
+        self.dprev = self.dbuf[1]
         self.arange = np.arange(max(2 * m + 16, 1 << 12), dtype=np.int64)
-        self.cols = np.arange(64, dtype=np.int64)[:, None]
-        self.big = np.int64(4 * m + 8)
+        self.cols = np.arange(max(width, _DENSE_SCAN_MAX, 1), dtype=np.int64)[:, None]
+        # Cached free-segment costs of each row's window: ccost[c, j] = cost(start[j] + c, j).
+        self.start = np.full(m + 1, -1, np.int64)
+        self.ccost = np.zeros((width, m + 1))
+        # Divide and conquer: rows at tree positions 1..R, sentinels at 0 and past R.
+        size = 1
+        while size <= self.rows:
+            size <<= 1
+        self.tree = size
+        self.argp = np.empty(2 * size + 1, np.int64)
 
     # -- candidate scans (every value is the textbook's expression, bit for bit) -------------
-    def _values(self, pj: np.ndarray, s1j: np.ndarray, s2j: np.ndarray,
-                im1: np.ndarray) -> np.ndarray:
-        """``D[k-1][i-1] + (s2 - s1*s1/w)`` for segments ``[i..j]``; ``im1 = i - 1``."""
+    def _cost(self, pj: np.ndarray, s1j: np.ndarray, s2j: np.ndarray,
+              im1: np.ndarray) -> np.ndarray:
+        """Free cost ``s2 - s1*s1/w`` of segments ``[i..j]``; ``im1 = i - 1``."""
         ww = pj - self.pw.take(im1)
         s1 = s1j - self.ps1.take(im1)
         s2 = s2j - self.ps2.take(im1)
         np.multiply(s1, s1, out=s1)
         np.divide(s1, ww, out=s1)
-        np.subtract(s2, s1, out=s2)
-        return np.add(self.dprev.take(im1), s2, out=s2)
+        return np.subtract(s2, s1, out=s2)
 
-    def _scan_dense(self, k: int, lo: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """All rows of layer ``k``, candidates ``i in [lo, min(lo + width - 1, j)]``.
+    def _scan(self, j: np.ndarray, lo: np.ndarray,
+              hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Leftmost minimum of ``D[k-1][i-1] + cost(i, j)`` over ``i in [lo, hi]`` per row."""
+        e = int((hi - lo).max()) + 1
+        if e <= _DENSE_SCAN_MAX:
+            return self._scan_dense(j, lo, hi, e)
+        return self._scan_ragged(j, lo, hi)
 
-        ``[width, R]`` layout. Columns past ``j`` repeat candidate ``j`` (the clip): the same
-        value at a later column never replaces under strict improvement. Columns are merged
-        left to right replacing only on strict improvement, exactly the textbook's scan order.
-        """
-        rows = self.rows
-        if width > self.cols.shape[0]:
-            self.cols = np.arange(width, dtype=np.int64)[:, None]
-        im1 = (lo - 1) + self.cols[:width]
-        np.minimum(im1, self.arange[k - 1:k - 1 + rows], out=im1)
-        sl = slice(k, k + rows)
-        val = self._values(self.pw[sl], self.ps1[sl], self.ps2[sl], im1)
-        best = val[0]
-        arg = im1[0]
-        for c in range(1, width):
-            better = val[c] < best
-            arg = np.where(better, im1[c], arg)
-            best = np.minimum(best, val[c])  # equal to the strict-improvement choice
-        return best, arg + 1
+    def _scan_dense(self, j: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                    e: int) -> tuple[np.ndarray, np.ndarray]:
+        """``[e, n]`` layout; columns past ``hi`` repeat ``hi`` (same value, never replaces)."""
+        if e > self.cols.shape[0]:
+            self.cols = np.arange(e, dtype=np.int64)[:, None]
+        cols = self.cols[:e]
+        im1 = (lo - 1) + cols
+        np.minimum(im1, hi - 1, out=im1)
+        val = self._cost(self.pw.take(j), self.ps1.take(j), self.ps2.take(j), im1)
+        val += self.dprev.take(im1)
+        best = np.minimum.reduce(val, axis=0)
+        # First column holding the minimum = the textbook's upward scan with strict improvement.
+        pos = np.minimum.reduce(np.where(val == best, cols, e), axis=0)
+        pos += lo
+        return best, pos
 
     def _scan_ragged(self, j: np.ndarray, lo: np.ndarray,
                      hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Leftmost minimum over ``i in [lo, hi]`` (``hi >= lo``) per row ``j``; flat layout."""
-        n = j.size
+        """Flat layout, one segment of candidates per row (``hi >= lo``)."""
         cnt = hi - lo + 1
-        ends = np.cumsum(cnt)
+        ends = np.add.accumulate(cnt)
         total = int(ends[-1])
         starts = ends - cnt
         if total > self.arange.size:
             self.arange = np.arange(2 * total, dtype=np.int64)
-        row = np.repeat(self.arange[:n], cnt)
-        im1 = self.arange[:total] + np.repeat(lo - 1 - starts, cnt)
-        jr = j.take(row)
-        val = self._values(self.pw.take(jr), self.ps1.take(jr), self.ps2.take(jr), im1)
+        shift = lo - 1 - starts
+        im1 = shift.repeat(cnt)
+        im1 += self.arange[:total]
+        val = self._cost(self.pw.take(j).repeat(cnt), self.ps1.take(j).repeat(cnt),
+                         self.ps2.take(j).repeat(cnt), im1)
+        val += self.dprev.take(im1)
         best = np.minimum.reduceat(val, starts)
-        # Leftmost position holding the minimum; NaN never equals it, as it never improves.
-        first = np.minimum.reduceat(np.where(val == best.take(row), im1, self.big), starts)
-        return best, first + 1
+        # First position holding each row's minimum (every row has one; NaN never equals it).
+        hit = (val == best.repeat(cnt)).nonzero()[0]
+        first = hit.take(hit.searchsorted(starts))
+        first += shift
+        first += 1
+        return best, first
 
     def _merge(self, j: np.ndarray, rows: np.ndarray, lo: np.ndarray,
                hi: np.ndarray, best: np.ndarray, arg: np.ndarray) -> None:
         """Scan candidates right of those already scanned; replace only on strict improvement."""
-        b, a = self._scan_ragged(j.take(rows), lo, hi)
+        b, a = self._scan(j.take(rows), lo, hi)
         better = b < best.take(rows)
         upd = rows[better]
         best[upd] = b[better]
         arg[upd] = a[better]
 
     # -- layers ------------------------------------------------------------------------------
-    def _layer_dc(self, j: np.ndarray, lower: np.ndarray,
-                  best: np.ndarray, arg: np.ndarray) -> None:
-        """Level-synchronous divide and conquer over the rows of one layer (fact 1 + bound)."""
-        rows = self.rows
-        rl = np.zeros(1, np.int64)
-        rh = np.full(1, rows - 1, np.int64)
-        ol = np.full(1, j[0], np.int64)
-        oh = np.full(1, j[-1], np.int64)
-        while rl.size:
-            mid = (rl + rh) >> 1
-            jm = j.take(mid)
-            lo = np.maximum(ol, lower.take(mid))
-            hi = np.minimum(oh, jm)
+    def _layer_dc(self, k: int, lower: np.ndarray, best: np.ndarray, arg: np.ndarray) -> None:
+        """Level-synchronous divide and conquer over the rows of one layer (fact 1 + bound).
+
+        Row ``r`` sits at tree position ``p = r + 1``; the level of half-step ``h`` solves the
+        positions ``h, 3h, 5h, ...`` between the solved positions ``p - h`` and ``p + h``
+        (position 0 bounds from below by ``k``, positions past ``R`` do not bound).
+        """
+        rows, argp = self.rows, self.argp
+        argp[0] = k
+        argp[rows + 1:] = self.m + 1
+        h = self.tree >> 1
+        while h:
+            step = 2 * h
+            n = len(range(h, rows + 1, step))
+            lo = np.maximum(argp[0:step * n:step], lower[h - 1::step])
+            jm = self.arange[h - 1 + k:rows + k:step]
+            hi = np.minimum(argp[step:step * (n + 1):step], jm)
             # Exact arithmetic gives lo <= hi; keep the scan well-formed if rounding does not.
             np.minimum(lo, hi, out=lo)
-            b, a = self._scan_ragged(jm, lo, hi)
-            best[mid] = b
-            arg[mid] = a
-            left = mid > rl
-            right = mid < rh
-            rl, rh, ol, oh = (np.concatenate((rl[left], mid[right] + 1)),
-                              np.concatenate((mid[left] - 1, rh[right])),
-                              np.concatenate((ol[left], a[right])),
-                              np.concatenate((a[left], oh[right])))
+            b, a = self._scan(jm, lo, hi)
+            best[h - 1::step] = b
+            argp[h:rows + 1:step] = a
+            h >>= 1
+        arg[:] = argp[1:rows + 1]
 
-    def _layer_windows(self, k: int, j: np.ndarray, lower: np.ndarray, guess: np.ndarray,
+    def _refresh(self, k: int, lower: np.ndarray) -> None:
+        """Recompute the cached window costs of the rows whose lower bound moved."""
+        rows, cols = self.rows, self.cols[:self.width]
+        sl = slice(k, k + rows)
+        start = self.start[sl]
+        moved = (start != lower).nonzero()[0]
+        if not moved.size:
+            return
+        if 2 * moved.size > rows:
+            # Most rows moved (early window layers): slices beat gathers of the row values.
+            im1 = (lower - 1) + cols
+            jm1 = self.arange[k - 1:k - 1 + rows]
+            past = im1 > jm1
+            np.minimum(im1, jm1, out=im1)
+            cost = self._cost(self.pw[sl], self.ps1[sl], self.ps2[sl], im1)
+            cost[past] = np.inf
+            self.ccost[:, sl] = cost
+            start[:] = lower
+        else:
+            lo = lower.take(moved)
+            jj = moved + k
+            im1 = (lo - 1) + cols
+            jm1 = jj - 1
+            past = im1 > jm1
+            np.minimum(im1, jm1, out=im1)
+            cost = self._cost(self.pw.take(jj), self.ps1.take(jj), self.ps2.take(jj), im1)
+            cost[past] = np.inf
+            self.ccost[:, jj] = cost
+            start[moved] = lo
+
+    def _layer_windows(self, k: int, j: np.ndarray, lower: np.ndarray,
                        best: np.ndarray, arg: np.ndarray) -> None:
-        """Windows ``[lower(j), hi(j)]``: a dense pass, guessed extra columns, then repairs.
+        """Windows ``[lower(j), hi(j)]``: the cached dense pass, the top row, then repairs.
 
-        ``lower`` is the proven bound ``a_{k-1}(j)`` (fact 2); ``hi`` starts at the guess and
-        grows until every row is certified: ``hi(j) >= a(j + 1)`` or ``hi(j) = j``, the top
-        row's ``hi`` being ``j`` (module docstring).
+        ``lower`` is the proven bound ``a_{k-1}(j)`` (fact 2); ``hi`` grows until every row is
+        certified: ``hi(j) >= a(j + 1)`` or ``hi(j) = j``, the top row's ``hi`` being ``j``.
         """
-        width = max(1, _DENSE_WIDTH)
-        b, a = self._scan_dense(k, lower, width)
-        best[:] = b
-        arg[:] = a
-        hi = np.minimum(lower + (width - 1), j)
-        # The guessed extra columns (the top row always goes to j: it has no row above it).
-        np.minimum(guess, j, out=guess)
-        guess[-1] = j[-1]
-        wide = np.flatnonzero(guess > hi)
-        if wide.size:
-            self._merge(j, wide, hi.take(wide) + 1, guess.take(wide), best, arg)
-            hi[wide] = guess.take(wide)
-        top = self.rows - 1
+        rows, width = self.rows, self.width
+        self._refresh(k, lower)
+        # D[k-1][i-1] + cost(i, j) for i = lower + c; positions past j cost +inf (never the
+        # minimum: i = lower <= j is always finite) and read the zero padding of D.
+        val = self.dprev.take((lower - 1) + self.cols[:width])
+        val += self.ccost[:, k:k + rows]
+        np.minimum.reduce(val, axis=0, out=best)
+        if width > 1:
+            # Leftmost column holding the minimum: count the leading columns that do not.
+            ne = val != best
+            acc = ne[0]
+            pos = acc.astype(np.int64)
+            for c in range(1, width - 1):
+                np.logical_and(acc, ne[c], out=acc)
+                pos += acc
+            np.add(lower, pos, out=arg)
+        else:
+            arg[:] = lower
+        # The top row has no row above it to certify it: scan [lower, j] in full (slices).
+        top = rows - 1
+        jt = k + top
+        lo = int(lower[top]) - 1
+        if jt - lo > width:
+            ww = self.pw[jt] - self.pw[lo:jt]
+            s1 = self.ps1[jt] - self.ps1[lo:jt]
+            s2 = self.ps2[jt] - self.ps2[lo:jt]
+            np.multiply(s1, s1, out=s1)
+            np.divide(s1, ww, out=s1)
+            np.subtract(s2, s1, out=s2)
+            np.add(self.dprev[lo:jt], s2, out=s2)
+            p = int(s2.argmin())  # first occurrence: ties keep the smallest i
+            best[top] = s2[p]
+            arg[top] = lo + 1 + p
         jm = j[:top]
-        him = hi[:top]
+        him = np.minimum(lower[:top] + (width - 1), jm)
         span = max(1, _REPAIR_SPAN)
         while True:
             # Row r is certified by row r + 1 when its window reaches a(r + 1) (fact 1).
             need = np.minimum(arg[1:], jm)
-            fail = np.flatnonzero(need > him)
+            fail = (need > him).nonzero()[0]
             if not fail.size:
                 return
             # Widen each failing row to its bound a(r + 1). The rows just below it most likely
@@ -412,45 +482,38 @@ class _LayeredDP:
                 np.maximum(reach[:-shift], reach[shift:], out=reach[:-shift])
                 shift <<= 1
             np.minimum(reach, jm, out=reach)
-            rows = np.flatnonzero(reach > him)
-            grow = reach.take(rows)
-            self._merge(j, rows, him.take(rows) + 1, grow, best, arg)
-            him[rows] = grow
+            grown = (reach > him).nonzero()[0]
+            grow = reach.take(grown)
+            self._merge(j, grown, him.take(grown) + 1, grow, best, arg)
+            him[grown] = grow
 
     def solve(self) -> tuple[np.ndarray, float]:
         m, kk, rows = self.m, self.k, self.rows
         pw, ps1, ps2 = self.pw, self.ps1, self.ps2
         ar = self.arange[:rows]
         args = np.empty((kk + 1, rows), np.int64)
-        # dprev holds D[k-1] at the rows of layer k-1 (the only ones layer k reads).
-        dprev = self.dprev
         # Layer 1: one segment [1..j] represented by -1 (f = -1: (s2 - 2f*s1) + f*f*w).
         j1 = slice(1, 1 + rows)
-        dprev[j1] = (ps2[j1] + 2.0 * ps1[j1]) + pw[j1]
+        self.dprev[j1] = (ps2[j1] + 2.0 * ps1[j1]) + pw[j1]
         args[1] = 1
-        up_idx = np.minimum(ar + 1, rows - 1)
-        ahead1 = np.minimum(ar + 1 + _GUESS_AHEAD, rows - 1)
-        ahead2 = np.minimum(ar + 2 + _GUESS_AHEAD, rows - 1)
-        best = np.empty(rows)
+        lower = np.empty(rows, np.int64)
         for k in range(2, kk):
-            j = ar + k
             arg = args[k]
+            nxt = self.dbuf[k & 1]
+            best = nxt[k:k + rows]  # D[k] is written in place of D[k-2]
             if k == 2:
-                lower = np.full(rows, 2, np.int64)
+                lower[:] = 2
             else:
                 # a_{k-1}(j) at offset r + 1 of layer k-1; the top row uses a_{k-1}(j - 1).
-                lower = args[k - 1].take(up_idx)
+                lower[:-1] = args[k - 1, 1:]
+                lower[-1] = args[k - 1, -1]
                 np.maximum(lower, k, out=lower)
-            if k < _DC_LAYERS:
-                self._layer_dc(j, lower, best, arg)
+            if k < _WINDOW_FROM:
+                self._layer_dc(k, lower, best, arg)
             else:
-                a1 = args[k - 1].take(ahead1)
-                guess = a1 - args[k - 2].take(ahead2)
-                np.maximum(guess, 0, out=guess)
-                guess += a1
-                guess += _GUESS_MARGIN
-                self._layer_windows(k, j, lower, guess, best, arg)
-            dprev[k:k + rows] = best
+                self._layer_windows(k, ar + k, lower, best, arg)
+            self.dprev = nxt
+        dprev = self.dprev
         # Layer K: the single row j = M, last segment represented by +1, scanned in full.
         i = np.arange(kk, m + 1)
         ww = pw[m] - pw[i - 1]

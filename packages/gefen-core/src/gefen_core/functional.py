@@ -51,6 +51,7 @@ def gefen(
     fused: bool | None = None,
     capturable: bool = False,
     differentiable: bool = False,
+    factored_stats: Sequence[tuple[Tensor, int] | None] | None = None,
 ) -> None:
     r"""One Gefen step for a list of initialised parameters (§1.10, §1.11).
 
@@ -79,6 +80,11 @@ def gefen(
             for-loop. :class:`gefen_core.Gefen` resolves ``None`` per tensor before calling.
         capturable: bias corrections and lr are read from device tensors (no host sync).
         differentiable: must be ``False``.
+        factored_stats: per parameter ``None`` or, for a factored parameter that is one row
+            shard of a larger matrix, ``(stats, global_rows)``: the shard's
+            ``gefen_kernels.ops.factored_step.factored_partial_stats`` with its column sums
+            and ``sum(r')`` already summed over every shard, and the global row count
+            (§1.11 on the global matrix; the factored op's ``stats`` argument).
 
     Raises:
         RuntimeError: ``differentiable=True``, or ``fused`` and ``foreach`` both true.
@@ -91,7 +97,8 @@ def gefen(
     n = len(params)
     lists = (grads, exp_avg_codes, exp_avg_scales, exp_avg_sqs, exp_avg_sq_rows,
              exp_avg_sq_cols, state_steps, exp_avg_sq_steps)
-    if any(len(x) != n for x in lists):
+    if any(len(x) != n for x in lists) or (factored_stats is not None
+                                           and len(factored_stats) != n):
         raise ValueError("gefen: every tensor list must have one entry per parameter")
     if stochastic_round and not capturable and (seeds is None or len(seeds) != n):
         raise ValueError("gefen: stochastic_round=True needs one seed per parameter (seeds=...)")
@@ -109,6 +116,7 @@ def gefen(
         codebook=codebook, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay, maximize=maximize, stochastic_round=stochastic_round,
         seeds=seeds, seed_tensors=seed_tensors, capturable=capturable,
+        factored_stats=factored_stats,
     )
 
 
@@ -169,6 +177,7 @@ def _apply(
     sq: Tensor | None, row: Tensor | None, col: Tensor | None, scalars: dict[str, float] | None,
     hyper: Tensor | None, *, codebook: Tensor, beta1: float, beta2: float, eps: float,
     maximize: bool, stochastic_round: bool, seed: int, seed_tensor: Tensor | None,
+    stats: tuple[Tensor, int] | None = None,
 ) -> None:
     # The ops need the logical row-major order in contiguous memory (§0.3, §1.13).
     work = param if param.is_contiguous() else param.contiguous()
@@ -188,6 +197,8 @@ def _apply(
             **common,
         )
     else:
+        if stats is not None:
+            common["stats"], common["global_rows"] = stats
         op_factored(
             work, g, codes, scale, row, col, codebook,
             bc1_recip=1.0 if scalars is None else scalars["bc1_recip"],
@@ -207,7 +218,7 @@ def _run(
     exp_avg_sq_steps: Sequence[Tensor], *, codebook: Tensor, lr: float | Tensor, beta1: float,
     beta2: float, eps: float, weight_decay: float, maximize: bool, stochastic_round: bool,
     seeds: Sequence[int] | None, seed_tensors: Sequence[Tensor] | None, capturable: bool,
-    batched: bool,
+    batched: bool, factored_stats: Sequence[tuple[Tensor, int] | None] | None = None,
 ) -> None:
     if not params:
         return
@@ -241,6 +252,7 @@ def _run(
             stochastic_round=stochastic_round,
             seed=0 if (seeds is None or capturable) else seeds[i],
             seed_tensor=None if seed_tensors is None or not capturable else seed_tensors[i],
+            stats=None if factored_stats is None else factored_stats[i],
         )
 
 
@@ -336,6 +348,7 @@ def _planned_gefen(
     lr: float | Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
     maximize: bool, stochastic_round: bool, seeds: Sequence[int] | None,
     seed_tensors: Sequence[Tensor] | None, capturable: bool,
+    factored_stats: Sequence[tuple[Tensor, int] | None] | None = None,
 ) -> None:
     from gefen_kernels._numerics import f32
 
@@ -382,13 +395,15 @@ def _planned_gefen(
         sq, row, col = exp_avg_sqs[i], exp_avg_sq_rows[i], exp_avg_sq_cols[i]
         seed = 0 if (seeds is None or capturable) else seeds[i]
         seed_tensor = seed_tensors[i] if (capturable and seed_tensors is not None) else None
-        if not param.is_contiguous():
-            # The ops' path keeps its contiguous work copy and copy-back.
+        stats = None if factored_stats is None else factored_stats[i]
+        if stats is not None or not param.is_contiguous():
+            # The ops' path keeps its contiguous work copy and copy-back; reduced statistics
+            # of a row shard (which the plans do not take) go through the ops too.
             _apply_one_fused(i, param, grad, exp_avg_codes[i], exp_avg_scales[i], sq, row, col,
                              host[i] if host else None, hypers[i] if hypers else None,
                              codebook=codebook, beta1=beta1, beta2=beta2, eps=eps,
                              maximize=maximize, stochastic_round=stochastic_round, seed=seed,
-                             seed_tensor=seed_tensor)
+                             seed_tensor=seed_tensor, stats=stats)
             continue
         plan = _plan_for(param, exp_avg_codes[i], exp_avg_scales[i], sq, row, col, codebook,
                          options)

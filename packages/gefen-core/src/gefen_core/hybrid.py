@@ -136,6 +136,11 @@ class GefenMuonHybrid(Optimizer):
             is not a partition of the model's trainable parameters; any child's own errors.
     """
 
+    #: The classes of the two Gefen-family children. ``gefen_dist.ShardedGefenMuonHybrid``
+    #: swaps in its FSDP2 classes here (same constructor arguments).
+    _muon_class: type[GefenMuon] = GefenMuon
+    _gefen_class: type[Gefen] = Gefen
+
     def __init__(
         self,
         params: nn.Module | Iterable[Any],
@@ -207,7 +212,7 @@ class GefenMuonHybrid(Optimizer):
 
         muon: GefenMuon | None = None
         if muon_named:
-            muon = GefenMuon(
+            muon = self._muon_class(
                 muon_named, lr=muon_lr, weight_decay=muon_wd, momentum=momentum,
                 nesterov=nesterov, eps=muon_eps, ns_steps=ns_steps, ns_schedule=ns_schedule,
                 adjust_lr_fn=adjust_lr_fn, fused=fused, sharded_mode=sharded_mode,
@@ -226,7 +231,7 @@ class GefenMuonHybrid(Optimizer):
             if plain:
                 groups.append({"params": plain, "weight_decay": 0.0})
             if backup_optimizer == "gefen":
-                backup = Gefen(
+                backup = self._gefen_class(
                     groups, lr=backup_lr, betas=betas, eps=eps, weight_decay=backup_wd,
                     fused=fused, capturable=capturable, factored_v_2d=False,
                     force_1d_period_one=backup_1d_period_one,

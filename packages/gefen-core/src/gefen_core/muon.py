@@ -198,14 +198,19 @@ class GefenMuon(Gefen):
         {foreach}
         {capturable}
         {differentiable}
-        fused (bool, optional): ``None`` or ``False``: the Muon momentum op has no Triton
-            kernel yet, so every device runs the PyTorch reference of
-            ``gefen_kernels.ops.muon_momentum``; ``True`` raises ``RuntimeError`` rather than
-            silently taking the slower path (default: None)
+        fused (bool, optional): run the momentum step (§3.8: quantized EMA, re-quantisation
+            and the dense momentum, one Triton launch per matrix for ``P <= 4096``) with the
+            Triton kernel of ``gefen_kernels.ops.muon_momentum`` on CUDA matrices of dtype
+            fp32, bf16 or fp16; bit-identical to its PyTorch reference. ``None`` picks the
+            kernel wherever it can run and the reference elsewhere (CPU, fp64, no Triton);
+            ``False`` always runs the reference; ``True`` that cannot be honoured for some
+            matrix raises ``RuntimeError`` at construction, as :class:`~gefen_core.Gefen`
+            does (default: None)
         sharded_mode (str, optional): ``"exact"``, ``"distributed"`` or ``"approx"`` for
-            DTensor parameters (§4.8); plain tensors ignore it. Sharded stepping is not built
-            in this release: a DTensor parameter with a gradient raises ``ValueError`` at
-            ``step()`` (default: "exact")
+            DTensor parameters (§4.8); plain tensors ignore it. The sharded modes need
+            collectives and run in ``gefen_dist.ShardedGefenMuon``; this class raises
+            ``ValueError`` at ``step()`` for a DTensor parameter with a gradient
+            (default: "exact")
         fp8_ns (bool, optional): fp8 Newton–Schulz where the GPU supports it (capability
             ≥ 8.9) and ``min(R, C) ≥ 1536``; other matrices use bf16 silently. Warns once at
             construction when no capable GPU is visible (default: False)
@@ -233,13 +238,14 @@ class GefenMuon(Gefen):
         fp32 ``[256]`` codebook.
 
     Raises:
-        RuntimeError: ``fused=True`` (no fused Muon kernel yet); ``differentiable=True``.
+        RuntimeError: ``fused=True`` for a matrix the kernel cannot step (not on CUDA, fp64,
+            Triton missing); ``differentiable=True``.
         TypeError: a non-bool flag, a non-int ``ns_steps``, bad parameter types (as Gefen).
         ValueError: a non-2-D parameter; ``lr``, ``momentum``, ``eps``, ``weight_decay``,
             ``normuon_*``, ``batched_ns_workspace_bytes``, ``adjust_lr_fn``, ``sharded_mode``
             or schedule out of range; ``betas``/force-gate options given to a Muon group.
             At ``step()``: a parameter that is no longer 2-D (a wrapper such as DeepSpeed ZeRO
-            flattened it) or a DTensor parameter (sharded modes not built yet).
+            flattened it) or a DTensor parameter (use ``gefen_dist.ShardedGefenMuon``).
 
     References:
         Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024,
@@ -346,12 +352,6 @@ class GefenMuon(Gefen):
                     f"{where}: {key}={group[key]!r} is a Gefen option that GefenMuon fixes to "
                     f"{pinned!r} (§4.1: block-quantized momentum, period search without gates)"
                 )
-        if group.get("fused", self.defaults.get("fused")) is True:
-            raise RuntimeError(
-                f"{where}: fused=True cannot be honoured: the Muon momentum op "
-                "(gefen_kernels.ops.muon_momentum) has no Triton kernel yet. Pass fused=None "
-                "(the default), which runs its PyTorch reference on every device"
-            )
         self._resolve_group_ns(group, where)
         for key, default in self._muon_defaults.items():
             group.setdefault(key, default)
@@ -385,9 +385,10 @@ class GefenMuon(Gefen):
         group["ns_steps"] = len(schedule)
 
     def step_paths(self) -> dict[str, str]:
-        """``{name: "for_loop"}``: the Muon momentum runs its PyTorch reference everywhere
-        (no Triton kernel yet); Newton–Schulz is ``torch.matmul`` on the parameter's device."""
-        return {name: "for_loop" for _, _, name in self._named_params()}
+        """``{name: "fused" | "for_loop"}``: how each matrix's momentum is stepped (the Triton
+        kernel, or the PyTorch reference of ``gefen_kernels.ops.muon_momentum``); the step uses
+        exactly this choice. Newton–Schulz is ``torch.matmul`` on the parameter's device."""
+        return {name: _muon_momentum_path(p, group) for group, p, name in self._named_params()}
 
     # ------------------------------------------------------------------ step
     def _check_matrices(self) -> None:
@@ -407,15 +408,21 @@ class GefenMuon(Gefen):
         and no DTensor parameter needing a sharded mode that is not built."""
         self._check_matrices()
         entries = self._preflight()
+        self._check_sharded(entries)
+        return entries
+
+    def _check_sharded(self, entries: list[Entry]) -> None:
+        """Refuse DTensor parameters: the sharded modes of §4.8 need collectives, which live in
+        ``gefen_dist.ShardedGefenMuon`` (it overrides this hook and the two below)."""
         for group, p, _, name in entries:
             if _is_dtensor(p):
                 raise ValueError(
                     f"GefenMuon: parameter {name!r} is a DTensor (FSDP2 / tensor parallel) and "
                     f"needs sharded_mode={group['sharded_mode']!r} (ALGORITHM.md §4.8), which "
-                    "this gefen-core does not implement yet. Use GefenMuon with DDP (plain "
-                    "tensors), or plain Gefen for sharded training"
+                    "runs in gefen_dist.ShardedGefenMuon (same arguments) or, for a whole "
+                    "model, gefen_dist.ShardedGefenMuonHybrid. gefen_core.GefenMuon steps plain "
+                    "tensors only (one process or DDP)"
                 )
-        return entries
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -552,7 +559,9 @@ class GefenMuon(Gefen):
             return buf * beta + grad * (1.0 - beta) if group["nesterov"] else buf.clone()
         period = state["period"]
         if "exp_avg_codes" not in state:
-            blocks = p.numel() // period
+            # The gradient's numel, not the parameter's: under approx sharding (§4.8) the
+            # pipeline runs on a DTensor's local shard.
+            blocks = g.numel() // period
             state["step"] = torch.zeros((), dtype=torch.float32, device=step_dev)
             state["exp_avg_codes"] = torch.zeros(blocks, period, dtype=torch.uint8, device=dev)
             state["exp_avg_scale"] = torch.zeros(blocks, 1, dtype=torch.float32, device=dev)
@@ -561,8 +570,10 @@ class GefenMuon(Gefen):
             for key in ("exp_avg_codes", "exp_avg_scale", "normuon_exp_avg_sq"):
                 if key in state and state[key].device != dev:
                     state[key] = state[key].to(dev)
-        from gefen_kernels.ops.muon_momentum import muon_momentum
+        from gefen_kernels.ops.muon_momentum import muon_momentum, muon_momentum_reference
 
+        momentum_fn = (muon_momentum if _muon_momentum_path(p, group) == "fused"
+                       else muon_momentum_reference)
         seed = 0
         seed_tensor = None
         if group["stochastic_round"]:
@@ -575,13 +586,13 @@ class GefenMuon(Gefen):
                 ).reshape(1)
             else:
                 seed = mix_seed(self._global_step, salt)
-        u = muon_momentum(
+        u = momentum_fn(
             g.contiguous(), state["exp_avg_codes"], state["exp_avg_scale"],
             self._codebook_on(dev), beta=beta, nesterov=group["nesterov"],
             maximize=group["maximize"], stochastic_round=group["stochastic_round"],
             seed=seed, seed_tensor=seed_tensor)
         state["step"].add_(1)
-        return u.view(p.shape)
+        return u.view(g.shape)
 
     def _orthogonalise(self, u: Tensor, group: dict[str, Any]) -> Tensor:
         return newton_schulz(u, group["ns_coefficients"], eps=group["eps"], dtype=self._ns_dtype,
@@ -590,6 +601,10 @@ class GefenMuon(Gefen):
     def _finish(self, p: Tensor, g: Tensor, o: Tensor, group: dict[str, Any],
                 lr: float | Tensor) -> None:
         """§4.3 steps 5–8: NorMuon, cautious masking, decoupled decay and the update."""
+        self._apply_update(p, self._post_ns(p, g, o, group), group, lr)
+
+    def _post_ns(self, p: Tensor, g: Tensor, o: Tensor, group: dict[str, Any]) -> Tensor:
+        """§4.3 steps 5–6 on the matrix the pipeline ran on (NorMuon, cautious masking)."""
         if group["normuon"]:
             o = self._normuon(p, o, group)
         if group["cautious"]:
@@ -599,7 +614,19 @@ class GefenMuon(Gefen):
             # The rescale factor in fp32 (a bf16 count would be inexact above 256), applied
             # in O's dtype.
             o = o.mul_(keep).mul_(o.numel() / keep.sum().clamp_min(1).to(acc))
+        return o
+
+    def _update_target(self, p: Tensor, o: Tensor) -> tuple[Tensor, Tensor]:
+        """The tensor to write and the part of ``o`` it receives: ``(p, o)`` here; a sharded
+        subclass returns a DTensor's local shard and this rank's rows of the full ``o``."""
+        return p, o
+
+    def _apply_update(self, p: Tensor, o: Tensor, group: dict[str, Any],
+                      lr: float | Tensor) -> None:
+        """§4.3 steps 7–8: decoupled decay, then ``θ ← θ − η·α(R, C)·O`` (α from the global
+        shape, §4.6) on :meth:`_update_target`'s tensor."""
         alpha = adjusted_lr_ratio(group["adjust_lr_fn"], p.shape)
+        p, o = self._update_target(p, o)
         wd = group["weight_decay"]
         if isinstance(lr, Tensor):
             lr_t = lr.to(device=p.device)
@@ -778,6 +805,17 @@ class GefenMuon(Gefen):
         from .checkpoint import commit
 
         commit(self, staged)
+
+
+def _muon_momentum_path(p: Tensor, group: Mapping[str, Any]) -> str:
+    """``"fused"`` (the custom op, Triton on CUDA) unless ``fused=False`` or the kernel cannot
+    step ``p`` (the reasons of :func:`gefen_core._dispatch.fused_blocker`), else
+    ``"for_loop"`` (the PyTorch reference)."""
+    from ._dispatch import fused_blocker
+
+    if group["fused"] is not False and fused_blocker(p) is None:
+        return "fused"
+    return "for_loop"
 
 
 def _fp8_visible() -> bool:

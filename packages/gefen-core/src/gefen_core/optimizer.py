@@ -316,7 +316,9 @@ class Gefen(Optimizer):
         """Which implementation steps each parameter: ``{name: "fused" | "foreach" |
         "for_loop"}``. The step uses exactly this choice (see the dispatch rule)."""
         return {
-            name: _dispatch.choose_path(p, group, deterministic=self._deterministic)
+            name: _dispatch.choose_path(
+                p, group, deterministic=self._deterministic,
+                sharded_factored=self._reduces_factored_stats)
             for group, p, name in self._named_params()
         }
 
@@ -326,6 +328,41 @@ class Gefen(Optimizer):
         return any(p.dtype == torch.float16 for _, p, _ in self._named_params())
 
     # ------------------------------------------------------------------ extension points
+    #: Whether DTensor 2-D parameters take the factored second moment (§1.11). Only a subclass
+    #: whose :meth:`_factored_statistics` sums the shards' statistics may set it.
+    _reduces_factored_stats: bool = False
+
+    def _factored_statistics(
+        self, entries: list[tuple[Tensor, Tensor, Tensor, Tensor, float, bool]],
+    ) -> list[Tensor]:
+        """This rank's factored statistics of the DTensor (row-sharded) matrices of the step.
+
+        Called once per step, before any parameter is updated, by every optimizer whose
+        ``_reduces_factored_stats`` is true (with an empty list when this rank steps none).
+
+        Args:
+            entries: ``(param, local grad, exp_avg_sq_row, exp_avg_sq_col, beta2, fused)`` per
+                factored DTensor parameter stepped here, in step order.
+
+        Returns:
+            One ``stats`` tensor per entry (``gefen_kernels.ops.factored_step.
+            factored_partial_stats``: fp32 ``[R_local + C + 1]``), whose ``[R_local:]`` part the
+            step then treats as summed over every shard. Here: unreduced (right when the local
+            rows are all rows); a distributed subclass all-reduces them in place.
+        """
+        from gefen_kernels.ops.factored_step import (
+            factored_partial_stats,
+            factored_partial_stats_reference,
+        )
+
+        out = []
+        for p, g, row, col, beta2, fused in entries:
+            fn = factored_partial_stats if fused else factored_partial_stats_reference
+            lp = _dispatch.local(p)
+            out.append(fn(lp if lp.is_contiguous() else lp.contiguous(),
+                          g if g.is_contiguous() else g.contiguous(), row, col, beta2=beta2))
+        return out
+
     def _reduce_histogram(self, counts: Tensor) -> Tensor:
         """Combine the int64 ``[4096]`` codebook histogram across replicas. Identity here;
         a distributed subclass all-reduces it (sum) so every rank learns the same codebook."""
@@ -380,20 +417,15 @@ class Gefen(Optimizer):
             flags.setdefault(g.device, []).append(torch.isfinite(g).all())
         return all(bool(torch.stack(f).all()) for f in flags.values())
 
-    def _histogram(self, grad: Tensor, period: int, path: str) -> Tensor:
-        from gefen_kernels import ops
-
-        g = grad if grad.is_contiguous() else grad.contiguous()
-        fn = ops.histogram if path == "fused" else ops.histogram_reference
-        return fn(g, period).to(device="cpu", dtype=torch.int64)
-
     def _learn(self, entries: list[tuple[dict[str, Any], Tensor, Tensor, str]],
                periods: dict[Tensor, int]) -> Tensor:
         """Histogram of every participating gradient (each with its own period), reduced,
         then the exact optimal codebook (§1.8). Fills ``periods`` for tensors lacking one."""
+        from gefen_kernels.ops import histogram_sum
+
         from .codebook import optimal_codebook
 
-        counts = torch.zeros(4096, dtype=torch.int64)
+        grads, blocks, reference = [], [], []
         for group, p, g, name in entries:
             period = self.state[p].get("period") if p in self.state else None
             if period is None:
@@ -401,8 +433,15 @@ class Gefen(Optimizer):
             if period is None:
                 period = self._select_period(p, g, name, group)
                 periods[p] = period
-            path = _dispatch.choose_path(p, group, deterministic=self._deterministic)
-            counts += self._histogram(g, period, path)
+            path = _dispatch.choose_path(
+                p, group, deterministic=self._deterministic,
+                sharded_factored=self._reduces_factored_stats)
+            grads.append(g)
+            blocks.append(period)
+            reference.append(path != "fused")
+        # One int64 accumulator per device, read back once: a model's codebook pass costs one
+        # device-to-host sync per device, not one per tensor (exact integer sums either way).
+        counts = histogram_sum(grads, blocks, reference=reference)
         counts = self._reduce_histogram(counts)
         return optimal_codebook(counts).to(device=self._anchor_device(), dtype=torch.float32)
 
@@ -511,12 +550,13 @@ class Gefen(Optimizer):
                             "exp_avg_sq_col"):
                     if key in state and state[key].device != dev:
                         state[key] = state[key].to(dev)
-            factored = _dispatch.is_factored(p, group)
+            factored = _dispatch.is_factored(p, group, sharded=self._reduces_factored_stats)
             if factored and "exp_avg_sq_row" not in state:
                 # Migration from block mode (§2.3): fresh statistics and age; O8 drops the
-                # now-unused per-block second moment.
+                # now-unused per-block second moment. A row shard keeps its own rows' r.
                 state.pop("exp_avg_sq", None)
-                state["exp_avg_sq_row"] = torch.zeros(p.shape[0], dtype=torch.float32, device=dev)
+                state["exp_avg_sq_row"] = torch.zeros(
+                    _dispatch.local(p).shape[0], dtype=torch.float32, device=dev)
                 state["exp_avg_sq_col"] = torch.zeros(p.shape[1], dtype=torch.float32, device=dev)
                 state["exp_avg_sq_step"] = torch.zeros((), dtype=torch.float32, device=step_dev)
             elif not factored and "exp_avg_sq" not in state:
@@ -524,12 +564,15 @@ class Gefen(Optimizer):
                 state.pop("exp_avg_sq_col", None)
                 state["exp_avg_sq"] = torch.zeros(blocks, 1, dtype=torch.float32, device=dev)
                 state["exp_avg_sq_step"] = torch.zeros((), dtype=torch.float32, device=step_dev)
-            path = _dispatch.choose_path(p, group, deterministic=self._deterministic)
+            path = _dispatch.choose_path(
+                p, group, deterministic=self._deterministic,
+                sharded_factored=self._reduces_factored_stats)
             lists = by_path.get(path)
             if lists is None:  # not setdefault: its default dict would be built per tensor
                 lists = by_path[path] = {k: [] for k in (
                     "params", "grads", "codes", "scales", "sqs", "rows", "cols", "steps",
-                    "sq_steps", "seeds", "seed_tensors", "codebooks")}
+                    "sq_steps", "seeds", "seed_tensors", "codebooks", "sharded",
+                    "factored_stats")}
             lists["params"].append(_dispatch.local(p))
             lists["grads"].append(g)
             lists["codes"].append(state["exp_avg_codes"])
@@ -537,6 +580,9 @@ class Gefen(Optimizer):
             lists["sqs"].append(None if factored else state["exp_avg_sq"])
             lists["rows"].append(state["exp_avg_sq_row"] if factored else None)
             lists["cols"].append(state["exp_avg_sq_col"] if factored else None)
+            # Row-sharded factored matrices get reduced statistics before the update.
+            lists["sharded"].append(p if factored and _dispatch.is_dtensor(p) else None)
+            lists["factored_stats"].append(None)
             lists["steps"].append(state["step"])
             lists["sq_steps"].append(state["exp_avg_sq_step"])
             salt = name_salt(name)
@@ -613,11 +659,14 @@ class Gefen(Optimizer):
         per_group: dict[int, list[tuple[Tensor, Tensor, str]]] = {}
         for group, p, g, name in stepped:
             per_group.setdefault(id(group), []).append((p, g, name))
+        inits = []
         for group in self.param_groups:
             group_entries = per_group.get(id(group))
-            if not group_entries:
-                continue
-            by_path = self._init_group(group, group_entries, periods)
+            if group_entries:
+                inits.append((group, self._init_group(group, group_entries, periods)))
+        if self._reduces_factored_stats and self._codebook is not None:
+            self._attach_factored_stats(inits)
+        for group, by_path in inits:
             beta1, beta2 = group["betas"]
             lr = group["lr"] if group["capturable"] else self._host_lr(group["lr"])
             for path, lists in by_path.items():
@@ -634,11 +683,35 @@ class Gefen(Optimizer):
                         seed_tensors=dev_lists["seed_tensors"] or None,
                         foreach=path == "foreach", fused=path == "fused",
                         capturable=group["capturable"], differentiable=False,
+                        factored_stats=dev_lists["factored_stats"]
+                        if any(s is not None for s in dev_lists["factored_stats"]) else None,
                     )
         for t in self._device_global_step.values():
             t.add_(1)
         self._global_step += 1
         return loss
+
+    def _attach_factored_stats(
+        self, inits: list[tuple[dict[str, Any], dict[str, dict[str, list[Any]]]]],
+    ) -> None:
+        """Statistics of the row-sharded factored matrices, all at once, through
+        :meth:`_factored_statistics`; stored as ``(stats, global_rows)`` in the path lists."""
+        where: list[tuple[dict[str, list[Any]], int, int]] = []
+        entries: list[tuple[Tensor, Tensor, Tensor, Tensor, float, bool]] = []
+        for group, by_path in inits:
+            for path, lists in by_path.items():
+                for i, p in enumerate(lists["sharded"]):
+                    if p is None:
+                        continue
+                    entries.append((p, lists["grads"][i], lists["rows"][i], lists["cols"][i],
+                                    group["betas"][1], path == "fused"))
+                    where.append((lists, i, int(p.shape[0])))
+        stats = self._factored_statistics(entries)
+        if len(stats) != len(entries):
+            raise RuntimeError(f"Gefen: _factored_statistics returned {len(stats)} tensors for "
+                               f"{len(entries)} parameters")
+        for (lists, i, global_rows), st in zip(where, stats):
+            lists["factored_stats"][i] = (st, global_rows)
 
     def _refresh(self, live: list[tuple[dict[str, Any], Tensor, Tensor, str]],
                  periods: dict[Tensor, int]) -> None:

@@ -2,6 +2,8 @@
 
 * :class:`ShardedGefen` — Gefen for FSDP2 ``Shard(0)`` parameters whose codebook and block
   periods are those of the global tensors (all-reduced histogram, globally searched periods).
+* :class:`ShardedGefenMuon`, :class:`ShardedGefenMuonHybrid` — GefenMuon (and the hybrid) on
+  FSDP2 matrices with ``sharded_mode`` "exact", "distributed" or "approx" (ALGORITHM.md §4.8).
 * :class:`GefenDCPState`, :class:`GefenSavePlanner`, :class:`GefenStager` — reshardable
   ``torch.distributed.checkpoint`` save/load (N ranks -> M ranks).
 * :func:`offload_state_`, :func:`restore_state_`, :func:`move_state_` — optimizer-state
@@ -25,6 +27,7 @@ from .capabilities import (
 from .dcp import GefenDCPState, GefenSavePlanner, GefenStager
 from .offload import move_state_, offload_state_, restore_state_, state_offload_active
 from .sharded import ShardedGefen, aligned_period
+from .sharded_muon import ShardedGefenMuon, ShardedGefenMuonHybrid
 
 __all__ = [
     "Capabilities",
@@ -34,6 +37,8 @@ __all__ = [
     "GefenStager",
     "Layout",
     "ShardedGefen",
+    "ShardedGefenMuon",
+    "ShardedGefenMuonHybrid",
     "Transport",
     "UnsupportedCombinationError",
     "__version__",

@@ -123,7 +123,8 @@ _SHARDED_HINT = (
 )
 _MUON_HINT = (
     "GefenMuon needs whole matrices; flat ZeRO partitions have no matrix shape. Put the "
-    "matrices under FSDP2 (sharded_mode='exact' or 'distributed') or use Gefen for ZeRO"
+    "matrices under FSDP2 with gefen_dist.ShardedGefenMuon (sharded_mode='exact' or "
+    "'distributed') or use Gefen for ZeRO"
 )
 
 GEFEN_CAPABILITIES = Capabilities(
@@ -151,10 +152,13 @@ SHARDED_GEFEN_CAPABILITIES = Capabilities(
 """``gefen_dist.ShardedGefen``."""
 
 GEFEN_MUON_CAPABILITIES = Capabilities(
-    layouts=frozenset({Layout.REPLICATED, Layout.FSDP2_SHARD0}),
+    layouts=frozenset({Layout.REPLICATED}),
     transports=frozenset({Transport.NATIVE}),
     hints={
         Layout.ZERO_FLAT: _MUON_HINT,
+        Layout.FSDP2_SHARD0: "gefen_core.GefenMuon steps plain tensors only; under fully_shard "
+        "use gefen_dist.ShardedGefenMuon or gefen_dist.ShardedGefenMuonHybrid (same arguments, "
+        "sharded_mode 'exact', 'distributed' or 'approx')",
         Layout.CPU_RESIDENT: "GefenMuon's Newton-Schulz runs on the parameter's device; keep "
         "Muon matrices on the accelerator (offload only the backup optimizer's parameters)",
         Transport.DCP_RESHARD_EXACT: "GefenMuon checkpoints reshard only through the native "
@@ -163,7 +167,24 @@ GEFEN_MUON_CAPABILITIES = Capabilities(
         "consolidated format of sharded_mode='distributed'",
     },
 )
-"""``gefen_core.GefenMuon`` and ``GefenMuonHybrid``."""
+"""``gefen_core.GefenMuon`` and ``GefenMuonHybrid`` (plain tensors: one process or DDP)."""
+
+SHARDED_GEFEN_MUON_CAPABILITIES = Capabilities(
+    layouts=frozenset({Layout.REPLICATED, Layout.FSDP2_SHARD0}),
+    transports=frozenset({Transport.NATIVE}),
+    hints={
+        Layout.ZERO_FLAT: _MUON_HINT,
+        Layout.CPU_RESIDENT: "Newton-Schulz runs on the parameter's device; keep Muon matrices "
+        "on the accelerator (offload only the backup optimizer's parameters)",
+        Transport.DCP_RESHARD_EXACT: "exact and distributed modes write the full (replicated "
+        "or consolidated) state, which loads natively on any world size; approx state is "
+        "rank-local and loads only on the same topology",
+        Transport.DCP_RESHARD_APPROX: "exact and distributed modes write the full (replicated "
+        "or consolidated) state, which loads natively on any world size; approx state is "
+        "rank-local and loads only on the same topology",
+    },
+)
+"""``gefen_dist.ShardedGefenMuon`` and ``ShardedGefenMuonHybrid`` (FSDP2, ALGORITHM.md §4.8)."""
 
 
 def _load_builtins() -> None:

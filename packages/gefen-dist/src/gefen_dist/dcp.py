@@ -14,7 +14,10 @@ parameter (keyed by its fully qualified name in ``model``) the dense fp32 moment
 ``c[q] * s`` and the dense fp32 second moment (each block's value repeated over its elements),
 both shaped and sharded like the parameter, so DCP reshards them natively; the counters, the
 period in use and the unaligned period-search result; the codebook, ``T`` and the
-hyperparameters of every group.
+hyperparameters of every group. A factored ``ShardedGefen`` matrix (§1.11) writes its
+statistics instead of the dense second moment: ``exp_avg_sq_row`` fp32 ``[R]`` sharded like
+the rows and ``exp_avg_sq_col`` fp32 ``[C]`` (replicated, identical on every rank); both are
+exact functions of the global matrix, so any topology restores them bit for bit.
 
 Loading re-blocks each local shard with the period the live optimizer would use for the new
 topology (:func:`gefen_dist.sharded.aligned_period` of the saved search period) and the *saved*
@@ -46,10 +49,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from gefen_core import Gefen
+from gefen_core import _dispatch as _core_dispatch
 
 from ._agree import agreed, collective_device
 from .capabilities import Transport, check_capabilities, detect_layouts
-from .sharded import SEARCH_PERIODS_KEY, aligned_period
+from .sharded import SEARCH_PERIODS_KEY, aligned_period, narrow_staged_rows, rows_for_staging
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -122,9 +126,10 @@ class GefenDCPState(Stateful):
             checkpoint key (fully qualified name), exactly like
             ``get_optimizer_state_dict``. Under FSDP2 pass the sharded module.
         optimizer: a :class:`gefen_dist.ShardedGefen` (DTensor ``Shard(0)`` parameters on any
-            number of ranks) or a plain :class:`gefen_core.Gefen` on plain parameters
-            (one process, or replicas). ``capturable=False``; plain 2-D parameters need
-            ``factored_v_2d=False`` (the factored statistics have no per-shard dense form).
+            number of ranks, block or factored second moment) or a plain
+            :class:`gefen_core.Gefen` on plain parameters (one process, or replicas).
+            ``capturable=False``; plain ``Gefen``'s 2-D parameters need ``factored_v_2d=False``.
+            Save and load must use the same ``factored_v_2d``.
         process_group: group for the agreement collectives (default: the parameters' mesh
             group or the default group).
 
@@ -204,6 +209,19 @@ class GefenDCPState(Stateful):
             return int(periods[i])
         return period
 
+    def _factored(self, gi: int, p: Tensor) -> bool:
+        """Whether the optimizer steps ``p`` with the factored second moment (§1.11)."""
+        return _core_dispatch.is_factored(
+            p, self._opt.param_groups[gi],
+            sharded=bool(getattr(self._opt, "_reduces_factored_stats", False)))
+
+    def _wrap_rows(self, p: Tensor, local: Tensor) -> Tensor:
+        """A per-row vector as a ``Shard(0)`` DTensor of ``[R]`` (plain for plain ``p``)."""
+        if not _is_dtensor(p):
+            return local
+        return DTensor.from_local(local, p.device_mesh, p.placements,
+                                  shape=torch.Size(p.shape[:1]), stride=(1,), run_check=False)
+
     def _wrap(self, p: Tensor, local: Tensor) -> Tensor:
         if not _is_dtensor(p):
             return local
@@ -274,18 +292,22 @@ class GefenDCPState(Stateful):
             slots[name] = {
                 "initialized": meta["initialized"], "step": meta["step"],
                 "exp_avg_sq_step": meta["exp_avg_sq_step"], "period": meta["period"],
-                "search_period": meta["search_period"],
-                "momentum": momentum, "exp_avg_sq": second,
+                "search_period": meta["search_period"], "momentum": momentum, **second,
             }
         return {"header": header, "codebook": cb, "slots": slots}
 
     def _slot_meta(self, gi: int, i: int, p: Tensor, pname: str) -> dict[str, Any]:
         st = self._opt.state.get(p, {})
         keys = set(st)
-        if "exp_avg_sq_row" in keys or "exp_avg_sq_col" in keys:
-            raise ValueError(f"parameter {pname!r} has factored statistics (see the class "
-                             "docstring)")
-        full = {"period", "step", "exp_avg_codes", "exp_avg_scale", "exp_avg_sq"}
+        factored = self._factored(gi, p)
+        second_keys = ("exp_avg_sq_row", "exp_avg_sq_col") if factored else ("exp_avg_sq",)
+        other = {"exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col"} - set(second_keys)
+        if keys & other:
+            raise ValueError(
+                f"parameter {pname!r} holds a {'per-block' if factored else 'factored'} second "
+                f"moment but the optimizer steps it in "
+                f"{'factored' if factored else 'block'} mode; step once before saving")
+        full = {"period", "step", "exp_avg_codes", "exp_avg_scale", *second_keys}
         initialized = "exp_avg_codes" in keys
         if initialized and not full <= keys:
             raise ValueError(f"parameter {pname!r} has a partial state {sorted(keys)}")
@@ -294,17 +316,22 @@ class GefenDCPState(Stateful):
             return {"initialized": False, "step": 0, "exp_avg_sq_step": 0,
                     "period": int(st.get("period", 0)),
                     "search_period": self._search_period_of(gi, i, int(st.get("period", 0))),
-                    "state": None, "local_shape": tuple(local.shape)}
+                    "state": None, "local_shape": tuple(local.shape), "factored": factored}
         period = int(st["period"])
-        codes, scale, sq = st["exp_avg_codes"], st["exp_avg_scale"], st["exp_avg_sq"]
+        codes, scale = st["exp_avg_codes"], st["exp_avg_scale"]
         blocks = local.numel() // period if period else -1
         if local.numel() % period or tuple(codes.shape) != (blocks, period) \
                 or codes.dtype != torch.uint8:
             raise ValueError(f"parameter {pname!r}: exp_avg_codes {tuple(codes.shape)} does not "
                              f"match {local.numel()} local elements in blocks of {period}")
-        for key, t in (("exp_avg_scale", scale), ("exp_avg_sq", sq)):
-            if tuple(t.shape) != (blocks, 1) or t.dtype != torch.float32:
-                raise ValueError(f"parameter {pname!r}: {key} must be fp32 [{blocks}, 1]")
+        shapes: dict[str, tuple[int, ...]] = {"exp_avg_scale": (blocks, 1),
+                                              "exp_avg_sq": (blocks, 1)}
+        if factored:
+            shapes.update(exp_avg_sq_row=tuple(local.shape[:1]), exp_avg_sq_col=(p.shape[1],))
+        for key in ("exp_avg_scale", *second_keys):
+            t = st[key]
+            if tuple(t.shape) != shapes[key] or t.dtype != torch.float32:
+                raise ValueError(f"parameter {pname!r}: {key} must be fp32 {list(shapes[key])}")
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"parameter {pname!r}: {key} has non-finite values")
             if t.device != codes.device:
@@ -313,7 +340,8 @@ class GefenDCPState(Stateful):
         sq_step = int(float(st.get("exp_avg_sq_step", step)))
         return {"initialized": True, "step": step, "exp_avg_sq_step": sq_step,
                 "period": period, "search_period": self._search_period_of(gi, i, period),
-                "state": (codes, scale, sq), "local_shape": tuple(local.shape)}
+                "state": (codes, scale, *(st[k] for k in second_keys)),
+                "local_shape": tuple(local.shape), "factored": factored}
 
     @staticmethod
     def _group_hypers(g: dict[str, Any]) -> dict[str, Any]:
@@ -339,7 +367,7 @@ class GefenDCPState(Stateful):
         h.update(repr(self._names).encode())
         for s in slots:
             h.update(repr((s["initialized"], s["step"], s["exp_avg_sq_step"], s["period"],
-                           s["search_period"])).encode())
+                           s["search_period"], s["factored"])).encode())
         h.update(codebook.numpy().tobytes())
         value = int.from_bytes(h.digest(), "little", signed=True)
         t = torch.tensor([value, -value], dtype=torch.int64,
@@ -355,7 +383,44 @@ class GefenDCPState(Stateful):
                 raise error
 
     def _dense_pair(self, p: Tensor, meta: dict[str, Any], codebook: Tensor,
-                    lazy: bool) -> tuple[Tensor, Tensor]:
+                    lazy: bool) -> tuple[Tensor, dict[str, Tensor]]:
+        """The dense momentum and the second-moment entries of one slot."""
+        if meta["factored"]:
+            return self._factored_pair(p, meta, codebook, lazy)
+        momentum, second = self._dense_block_pair(p, meta, codebook, lazy)
+        return momentum, {"exp_avg_sq": second}
+
+    def _factored_pair(self, p: Tensor, meta: dict[str, Any], codebook: Tensor,
+                       lazy: bool) -> tuple[Tensor, dict[str, Tensor]]:
+        shape = meta["local_shape"]
+        local = _local(p)
+        dev = torch.device("cpu") if lazy else local.device
+        if meta["state"] is None:
+            row = torch.zeros(shape[0], dtype=torch.float32, device=dev)
+            col = torch.zeros(p.shape[1], dtype=torch.float32, device=dev)
+        else:
+            # Copies: a save must not alias live state (training may continue during a write).
+            row, col = (t.detach().to(dev, copy=True) for t in meta["state"][2:])
+        second = {"exp_avg_sq_row": self._wrap_rows(p, row), "exp_avg_sq_col": col}
+        if not lazy:
+            if meta["state"] is None:
+                m = torch.zeros(shape, dtype=torch.float32, device=local.device)
+            else:
+                m = dense_momentum(meta["state"][0], meta["state"][1], codebook, shape)
+            return self._wrap(p, m), second
+        if meta["state"] is None:
+            def make_m() -> Tensor:
+                return torch.zeros(shape, dtype=torch.float32)
+        else:
+            codes, scale = (t.detach().to("cpu", copy=True) for t in meta["state"][:2])
+
+            def make_m() -> Tensor:
+                return dense_momentum(codes, scale, codebook, shape)
+        self._lazy[(meta["name"], "momentum")] = make_m
+        return self._wrap(p, torch.empty(shape, dtype=torch.float32, device="meta")), second
+
+    def _dense_block_pair(self, p: Tensor, meta: dict[str, Any], codebook: Tensor,
+                          lazy: bool) -> tuple[Tensor, Tensor]:
         shape = meta["local_shape"]
         local = _local(p)
         if not lazy:
@@ -406,6 +471,7 @@ class GefenDCPState(Stateful):
         with agreed("GefenDCPState.load_state_dict validation", group=group):
             native, search, lrs = self._build_native(state_dict)
             staged = stage_load(self._opt, native)
+            narrow_staged_rows(staged.state)
         assert staged is not None
         live_lrs = [g["lr"] for g in self._opt.param_groups]
         commit(self._opt, staged)
@@ -462,14 +528,15 @@ class GefenDCPState(Stateful):
             g["gefen_meta"] = dict(meta)
         state: dict[int, dict[str, Any]] = {}
         index = 0
-        for g in opt.param_groups:
+        for gi, g in enumerate(opt.param_groups):
             periods = []
             for p in g["params"]:
                 name = self._names[index]
                 slot = slots.get(name) if isinstance(slots, dict) else None
                 if not isinstance(slot, dict):
                     raise ValueError(f"the checkpoint has no entry for parameter {name!r}")
-                entry, search = self._restore_slot(p, name, slot, codebook, has_codebook)
+                entry, search = self._restore_slot(p, name, slot, codebook, has_codebook,
+                                                   factored=self._factored(gi, p))
                 periods.append(search)
                 if entry:
                     state[index] = entry
@@ -479,23 +546,31 @@ class GefenDCPState(Stateful):
                 search_lists, lrs)
 
     def _restore_slot(self, p: Tensor, name: str, slot: dict[str, Any],
-                      codebook: Tensor | None, has_codebook: bool
+                      codebook: Tensor | None, has_codebook: bool, *, factored: bool = False,
                       ) -> tuple[dict[str, Any], int]:
         local = _local(p)
         shape = tuple(local.shape)
-        m, v = slot.get("momentum"), slot.get("exp_avg_sq")
-        if not isinstance(m, Tensor) or not isinstance(v, Tensor):
-            raise ValueError(f"{name!r}: momentum and exp_avg_sq must be tensors")
-        m, v = _local(m), _local(v)
-        if tuple(m.shape) != shape or tuple(v.shape) != shape:
-            raise ValueError(f"{name!r}: dense shapes {tuple(m.shape)}/{tuple(v.shape)} differ "
-                             f"from the local parameter shape {shape}")
-        if m.dtype != torch.float32 or v.dtype != torch.float32:
+        second_keys = ("exp_avg_sq_row", "exp_avg_sq_col") if factored else ("exp_avg_sq",)
+        m = slot.get("momentum")
+        raw = [slot.get(k) for k in second_keys]
+        if not isinstance(m, Tensor) or not all(isinstance(v, Tensor) for v in raw):
+            mode = "factored" if factored else "block"
+            raise ValueError(f"{name!r}: momentum and {' and '.join(second_keys)} must be tensors "
+                             f"(the optimizer steps this parameter in {mode} mode; a checkpoint "
+                             "written in the other mode cannot be resharded into it)")
+        m = _local(m)
+        seconds: list[Tensor] = [_local(v) for v in raw if isinstance(v, Tensor)]
+        want = [shape, (shape[0],), (p.shape[1],)] if factored else [shape, shape]
+        got = [tuple(m.shape), *(tuple(v.shape) for v in seconds)]
+        if got != want:
+            raise ValueError(f"{name!r}: saved shapes {got} differ from the local shapes {want}")
+        if any(t.dtype != torch.float32 for t in (m, *seconds)):
             raise ValueError(f"{name!r}: dense tensors must be fp32")
-        if not bool(torch.isfinite(m).all()) or not bool(torch.isfinite(v).all()):
+        if not all(bool(torch.isfinite(t).all()) for t in (m, *seconds)):
             raise ValueError(f"{name!r}: non-finite values in the dense state")
-        if bool((v < 0).any()):
+        if any(bool((v < 0).any()) for v in seconds):
             raise ValueError(f"{name!r}: negative second moment")
+        v = m.new_zeros(shape) if factored else seconds[0]
         ints = {}
         for key in ("step", "exp_avg_sq_step", "period", "search_period"):
             val = slot.get(key)
@@ -507,7 +582,7 @@ class GefenDCPState(Stateful):
         if search and numel % search:
             raise ValueError(f"{name!r}: search period {search} does not divide {numel}")
         if not slot.get("initialized"):
-            if ints["step"] or bool(m.any()) or bool(v.any()):
+            if ints["step"] or bool(m.any()) or any(bool(t.any()) for t in seconds):
                 raise ValueError(f"{name!r}: uninitialized slot with non-zero state")
             return {}, search
         if ints["step"] < 1 or ints["exp_avg_sq_step"] < 1 or ints["period"] < 1:
@@ -521,7 +596,13 @@ class GefenDCPState(Stateful):
         codes, scale, sq = reblock(m.to(dev), v.to(dev), period, codebook)
         entry = {"period": period, "step": torch.tensor(float(ints["step"])),
                  "exp_avg_sq_step": torch.tensor(float(ints["exp_avg_sq_step"])),
-                 "exp_avg_codes": codes, "exp_avg_scale": scale, "exp_avg_sq": sq}
+                 "exp_avg_codes": codes, "exp_avg_scale": scale}
+        if factored:
+            # r and k are functions of the global matrix: restored exactly on any topology.
+            entry["exp_avg_sq_row"] = rows_for_staging(p, seconds[0].to(dev).clone())
+            entry["exp_avg_sq_col"] = seconds[1].to(dev).clone()
+        else:
+            entry["exp_avg_sq"] = sq
         return entry, search or ints["period"]
 
 

@@ -26,8 +26,15 @@ the ranks agree on which parameters have a gradient (:func:`gefen_dist._agree.ch
 and on whether every gradient is finite, so a rank-local problem becomes the same error (or the
 same skipped step) on every rank instead of a hang (§8 item 5).
 
-Sharded 2-D parameters use the block second moment, as in gefen-core (§1.11): the factored
-row/column statistics are not reduced across shards by this version (see ``README.md``).
+* **Factored second moment** (``factored_v_2d=True``, §1.11). A ``Shard(0)`` rank holds whole
+  rows, so its row statistics ``r`` are complete locally, while the column sums of ``g^2`` and
+  ``sum(r')`` (for ``rbar``) are sums over every rank's rows. gefen-core computes each rank's
+  part (:meth:`gefen_core.Gefen._factored_statistics`, mutating nothing); this class sums them
+  with **one fp32 all-reduce per step** for all factored parameters (a bucket of ``C + 1``
+  values each, ranks with an empty shard adding zeros), so ``k`` and ``rbar`` are those of the
+  global matrix and ``k`` is identical on every rank; ``r`` stays local to the rank's rows.
+  A failure while a rank computes its part is folded into the same all-reduce and becomes the
+  same :class:`gefen_dist.CollectiveCheckError` on every rank.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from gefen_core import Gefen
+from gefen_core import _dispatch as _core_dispatch
 
 from ._agree import agree, agreed, check_grad_presence, collective_device
 from .capabilities import SHARDED_GEFEN_CAPABILITIES, Capabilities
@@ -125,9 +133,10 @@ class ShardedGefen(Gefen):
             the DTensor parameters, or the default process group when there are none.
 
     Every rank must call :meth:`step` (it is collective on the steps that search a period,
-    learn or refresh the codebook). Plain (replicated) parameters are allowed only when no
-    parameter is a DTensor, because a replicated gradient's histogram would otherwise be
-    counted once per rank.
+    learn or refresh the codebook, and on every step that updates a factored 2-D parameter:
+    one all-reduce of the column statistics, see the module docstring). Plain (replicated)
+    parameters are allowed only when no parameter is a DTensor, because a replicated
+    gradient's histogram would otherwise be counted once per rank.
 
     Raises:
         ValueError: a DTensor parameter whose placements are not exactly ``(Shard(0),)``,
@@ -139,6 +148,7 @@ class ShardedGefen(Gefen):
     """
 
     gefen_capabilities: Capabilities = SHARDED_GEFEN_CAPABILITIES
+    _reduces_factored_stats = True
 
     def __init__(self, params: Any, *args: Any, distributed_mesh: Any = None,
                  **kwargs: Any) -> None:
@@ -238,13 +248,109 @@ class ShardedGefen(Gefen):
                 break
         return period
 
+    def _factored_statistics(
+        self, entries: list[tuple[Tensor, Tensor, Tensor, Tensor, float, bool]],
+    ) -> list[Tensor]:
+        """gefen-core's per-rank statistics, then one all-reduce that sums their global part.
+
+        Collective when DTensor parameters are present on more than one rank: every rank
+        enters it once per step (gefen-core calls it even when this rank steps no factored
+        parameter). The bucket lists, in step order, every factored DTensor parameter that has
+        a gradient (identical on every rank: presence was agreed in the prologue); a rank adds
+        its ``[C + 1]`` sums for the ones it stepped and zeros for the others (empty shards).
+        fp32 bucket (fp64 parameters: a second fp64 bucket), one trailing error flag.
+
+        Raises:
+            gefen_dist.CollectiveCheckError: on every rank, when computing or checking the
+                statistics failed on any rank (nothing has been updated yet).
+        """
+        if not (self._world() > 1 and self._has_dtensors()):
+            return super()._factored_statistics(entries)
+        canonical = [(g, i, p) for g, i, p, _ in self._entries() if _is_dtensor(p)
+                     and p.grad is not None and _core_dispatch.is_factored(p, g, sharded=True)]
+        if not canonical:
+            if entries:
+                raise RuntimeError("ShardedGefen: factored statistics requested for parameters "
+                                   "without gradients")
+            return []
+        error: BaseException | None = None
+        stats: list[Tensor] = []
+        try:
+            stats = super()._factored_statistics(entries)
+            self._check_factored_entries(canonical, entries)
+        except Exception as exc:  # noqa: BLE001 - agreed below, then raised on every rank
+            error = exc
+        mine = {id(e[0]): st for e, st in zip(entries, stats)} if error is None else {}
+        dev = collective_device(self._dist_group)
+        sizes = [int(p.shape[1]) + 1 for _, _, p in canonical]
+        wide = [_local(p).dtype == torch.float64 for _, _, p in canonical]
+        buckets = {
+            torch.float32: torch.zeros(sum(n for n, w in zip(sizes, wide) if not w) + 1,
+                                       dtype=torch.float32, device=dev),
+            torch.float64: torch.zeros(sum(n for n, w in zip(sizes, wide) if w),
+                                       dtype=torch.float64, device=dev),
+        }
+        slots: list[tuple[Tensor, int, int]] = []
+        offsets = {torch.float32: 0, torch.float64: 0}
+        for (_, _, p), n, w in zip(canonical, sizes, wide):
+            dtype = torch.float64 if w else torch.float32
+            slots.append((buckets[dtype], offsets[dtype], n))
+            st = mine.get(id(p))
+            if st is not None:
+                rows = _local(p).shape[0]
+                buckets[dtype][offsets[dtype]:offsets[dtype] + n].copy_(st[rows:])
+            offsets[dtype] += n
+        buckets[torch.float32][-1] = 0.0 if error is None else 1.0
+        for bucket in buckets.values():
+            if bucket.numel():
+                dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self._dist_group)
+        if float(buckets[torch.float32][-1]) > 0:
+            agree(error, "ShardedGefen factored statistics", group=self._dist_group)
+        for (g, i, p), (bucket, off, n) in zip(canonical, slots):
+            total = bucket[off:off + n]
+            st = mine.get(id(p))
+            if st is not None:
+                st[_local(p).shape[0]:].copy_(total)
+            elif _local(p).numel() == 0 and g[SEARCH_PERIODS_KEY][i]:
+                self._finalize_empty_shard(g, p, total)
+        return stats
+
+    def _check_factored_entries(self, canonical: list[tuple[dict[str, Any], int, DTensor]],
+                                entries: list[tuple[Any, ...]]) -> None:
+        listed = {id(p) for _, _, p in canonical}
+        stepped = {id(e[0]) for e in entries}
+        for g, i, p in canonical:
+            if _local(p).numel() and g[SEARCH_PERIODS_KEY][i] and id(p) not in stepped:
+                name = g["param_names"][i]
+                raise RuntimeError(f"parameter {name!r} has a period but was not stepped on "
+                                   "this rank, so its column statistics would miss these rows")
+        if not stepped <= listed:
+            raise RuntimeError("a factored parameter without a gradient was stepped")
+
+    def _finalize_empty_shard(self, group: dict[str, Any], p: Tensor, total: Tensor) -> None:
+        """Keep ``k`` of an empty local shard equal to its peers' (checkpoints replicate it)."""
+        from gefen_kernels.ops.factored_step import factored_finalize_stats
+
+        local = _local(p)
+        state = self.state[p]
+        if "exp_avg_sq_col" not in state:
+            state["exp_avg_sq_row"] = torch.zeros(0, dtype=torch.float32, device=local.device)
+            state["exp_avg_sq_col"] = torch.zeros(p.shape[1], dtype=torch.float32,
+                                                  device=local.device)
+        path = _core_dispatch.choose_path(p, group, deterministic=self._deterministic,
+                                          sharded_factored=True)
+        factored_finalize_stats(state["exp_avg_sq_row"], state["exp_avg_sq_col"],
+                                total.to(local.device), beta2=group["betas"][1],
+                                global_rows=int(p.shape[0]), reference=path != "fused")
+
     def _has_dtensors(self) -> bool:
         return any(_is_dtensor(p) for _, p, _ in self._named_params())
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One Gefen step; collective on steps that search periods or (re)learn the codebook.
+        """One Gefen step; collective on steps that search periods or (re)learn the codebook,
+        and (one fp32 all-reduce) on every step that updates factored 2-D parameters.
 
         Order: the closure; agreement on gradient presence and finiteness; the global period
         of every parameter that gets its first gradient (one all-gather each); then
@@ -292,8 +398,15 @@ class ShardedGefen(Gefen):
                     exp_avg_sq_step=torch.zeros((), dtype=torch.float32),
                     exp_avg_codes=torch.zeros(0, aligned, dtype=torch.uint8, device=dev),
                     exp_avg_scale=torch.zeros(0, 1, dtype=torch.float32, device=dev),
-                    exp_avg_sq=torch.zeros(0, 1, dtype=torch.float32, device=dev),
                 )
+                if _core_dispatch.is_factored(p, group, sharded=True):
+                    # k was kept in step with the peers by _finalize_empty_shard.
+                    state.setdefault("exp_avg_sq_row",
+                                     torch.zeros(0, dtype=torch.float32, device=dev))
+                    state.setdefault("exp_avg_sq_col", torch.zeros(
+                        p.shape[1], dtype=torch.float32, device=dev))
+                else:
+                    state["exp_avg_sq"] = torch.zeros(0, 1, dtype=torch.float32, device=dev)
             state["step"] += 1
             state["exp_avg_sq_step"] += 1
 
@@ -308,7 +421,9 @@ class ShardedGefen(Gefen):
         For a ``Shard(0)`` parameter of global shape ``[R, ...]``: ``exp_avg_codes`` is a uint8
         DTensor of the parameter's shape, ``exp_avg_scale``/``exp_avg_sq`` fp32 DTensors of
         shape ``[R, row_numel / gcd(P, row_numel)]`` (:mod:`gefen_dist._layout`), all sharded
-        like the parameter. ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
+        like the parameter; in factored mode ``exp_avg_sq_row`` is an fp32 ``[R]`` DTensor
+        sharded like the rows and ``exp_avg_sq_col`` the plain fp32 ``[C]`` tensor (identical on
+        every rank). ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
         therefore gathers them (``full_state_dict=True``) or DCP saves each rank's rows
         (sharded), with no rank-local payload. Not collective.
         """
@@ -337,6 +452,12 @@ class ShardedGefen(Gefen):
                     entry[key] = DTensor.from_local(
                         units, mesh, placements, shape=torch.Size(gshape), stride=(gshape[1], 1),
                         run_check=False)
+            if "exp_avg_sq_row" in entry:
+                # r is per row: sharded like the rows. k (exp_avg_sq_col) is identical on every
+                # rank and stays a plain (replicated) tensor.
+                entry["exp_avg_sq_row"] = DTensor.from_local(
+                    entry["exp_avg_sq_row"], mesh, placements, shape=torch.Size(p.shape[:1]),
+                    stride=(1,), run_check=False)
             state[i] = entry
         sd["state"] = state
         return sd
@@ -363,6 +484,7 @@ class ShardedGefen(Gefen):
                     group=self._dist_group if collective else None):
             _check_no_missing_state(state_dict)
             staged = stage_load(self, self._localize(state_dict))
+            narrow_staged_rows(staged.state)
         assert staged is not None
         commit(self, staged)
         for g in self.param_groups:
@@ -422,6 +544,13 @@ class ShardedGefen(Gefen):
                 # Anything else is compact [B, P] / [B, 1], or malformed: gefen-core's staging
                 # checks shapes and dtypes and names the problem.
                 entry[key] = value
+            row = entry.get("exp_avg_sq_row")
+            if isinstance(row, torch.Tensor):
+                if isinstance(row, DTensor):
+                    row = row.to_local()
+                elif row.ndim == 1 and row.shape[0] == gshape[0] != rows:
+                    row = row.narrow(0, start, rows)  # gathered by full_state_dict=True
+                entry["exp_avg_sq_row"] = rows_for_staging(p, row)
             out_state[i] = entry
         out = dict(sd)
         out["state"] = out_state
@@ -520,6 +649,32 @@ def _check_no_missing_state(sd: Any) -> None:
             "create Gefen's state. Use gefen_dist.GefenDCPState with dcp.load, or "
             "get/set_optimizer_state_dict with full_state_dict=True; the optimizer was left "
             "unchanged")
+
+
+def rows_for_staging(p: Tensor, row: Tensor) -> Tensor:
+    """This rank's ``exp_avg_sq_row`` (``[R_local]``) in the ``[R]`` form gefen-core's staging
+    validates (it checks ``param.shape[0]``, the global row count of a DTensor): the local
+    rows at their global offset, zeros elsewhere. :func:`narrow_staged_rows` undoes it.
+    Anything that is not this rank's ``[R_local]`` is passed through for staging to reject."""
+    if not _is_dtensor(p) or row.ndim != 1:
+        return row
+    start, rows = _row_range(p)
+    if row.shape[0] != rows or rows == p.shape[0]:
+        return row
+    out = torch.zeros(p.shape[0], dtype=row.dtype, device=row.device)
+    out[start:start + rows] = row
+    return out
+
+
+def narrow_staged_rows(staged_state: dict[Tensor, dict[str, Any]]) -> None:
+    """Cut each staged DTensor parameter's ``exp_avg_sq_row`` back to this rank's rows."""
+    for p, entry in staged_state.items():
+        row = entry.get("exp_avg_sq_row")
+        if row is None or not _is_dtensor(p) or row.shape[0] != p.shape[0]:
+            continue
+        start, rows = _row_range(p)
+        if rows != p.shape[0]:
+            entry["exp_avg_sq_row"] = row[start:start + rows].clone()
 
 
 def _row_range(p: DTensor) -> tuple[int, int]:

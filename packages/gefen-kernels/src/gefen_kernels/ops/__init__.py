@@ -9,13 +9,13 @@ module constants through it).
 
 from .block_step import block_step, block_step_reference, block_step_triton
 from .factored_step import factored_step, factored_step_reference, factored_step_triton
-from .histogram import histogram, histogram_reference, histogram_triton
+from .histogram import histogram, histogram_reference, histogram_sum, histogram_triton
 from .multi_block_step import (
     multi_block_step,
     multi_block_step_reference,
     multi_block_step_triton,
 )
-from .muon_momentum import muon_momentum, muon_momentum_reference
+from .muon_momentum import muon_momentum, muon_momentum_reference, muon_momentum_triton
 from .quantize import (
     quantize_nearest,
     quantize_nearest_reference,
@@ -35,12 +35,14 @@ __all__ = [
     "factored_step_triton",
     "histogram",
     "histogram_reference",
+    "histogram_sum",
     "histogram_triton",
     "multi_block_step",
     "multi_block_step_reference",
     "multi_block_step_triton",
     "muon_momentum",
     "muon_momentum_reference",
+    "muon_momentum_triton",
     "quantize_nearest",
     "quantize_nearest_reference",
     "quantize_nearest_triton",

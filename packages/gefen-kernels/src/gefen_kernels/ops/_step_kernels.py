@@ -360,8 +360,8 @@ def launch_step(
             sigma = torch.reciprocal(h + f32(eps)) * bc1_s
         _step_apply_kernel[(num_blocks * num_splits,)](
             flat_p, flat_g, codes, scale, s_new, sigma, row_ptr, col_ptr, inv_ptr, codebook,
-            table, hyper_ptr, seed_ptr, period, ncols, num_splits, b1, f32(1.0 - b1), f32(eps), scal["lr"],
-            scal["bc2"], scal["bc1"], scal["decay"], to_signed64(seed),
+            table, hyper_ptr, seed_ptr, period, ncols, num_splits, b1, f32(1.0 - b1), f32(eps),
+            scal["lr"], scal["bc2"], scal["bc1"], scal["decay"], to_signed64(seed),
             SPLIT=split_elements, TILE=min(loop_tile, split_elements), **common, **flags,
             num_warps=8, **LAUNCH_OPTIONS)
         scale.view(-1).copy_(s_new)

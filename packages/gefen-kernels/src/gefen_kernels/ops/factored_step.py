@@ -11,6 +11,14 @@ row-major flattening (as in block mode), in place on ``param``, ``codes``, ``sca
 3. the momentum re-quantisation of block mode; ``p <- fp(fp(p * decay) - lr * sigma * mhat)``,
    with ``mhat = 0`` where ``V_ij == 0`` (see the non-finite/zero policy in
    :mod:`gefen_kernels._numerics`: rows and columns whose gradient was always zero never move).
+
+Row-sharded parameters (a ``Shard(0)`` DTensor's local rows, ALGORITHM.md §1.11 / §8.5) split
+steps 1-2 at the one place that needs the other shards: :func:`factored_partial_stats` computes,
+without mutating anything, this shard's ``r'`` (its rows are complete locally), the column sums
+of ``g^2`` over its rows and ``sum(r')``; the caller sums the last ``C + 1`` values over the
+shards (one all-reduce, outside this package) and passes them back as ``stats`` with the global
+row count to :func:`factored_step`, which then applies ``k'``/``rbar`` and the update. With one
+shard and no reduction the result is bit-identical to the one-call step.
 """
 
 from __future__ import annotations
@@ -27,7 +35,14 @@ from ._step_kernels import launch_step
 from ._step_ref import StepScalars, denominator, make_scalars, run_step
 from ._triton_helpers import LAUNCH_OPTIONS
 
-__all__ = ["factored_step", "factored_step_reference", "factored_step_triton"]
+__all__ = [
+    "factored_finalize_stats",
+    "factored_partial_stats",
+    "factored_partial_stats_reference",
+    "factored_step",
+    "factored_step_reference",
+    "factored_step_triton",
+]
 
 
 def _check(param: Tensor, grad: Tensor, codes: Tensor, scale: Tensor, row: Tensor, col: Tensor,
@@ -82,7 +97,154 @@ def _ema(state: Tensor, total: Tensor, inv_count: float, sc: StepScalars) -> Ten
 
 def _rbar_reciprocal(r: Tensor, rows: int) -> Tensor:
     """f32(1 / max(f32(f32(sum r) / f32(R)), FLT_MIN)), a 0-dim tensor (no host sync)."""
-    return torch.reciprocal(torch.clamp(r.sum() / float(rows), min=FLT_MIN))
+    return _inv_rbar_from_total(r.sum(), rows)
+
+
+def _inv_rbar_from_total(total: Tensor, rows: int) -> Tensor:
+    """``1 / max(total / R, FLT_MIN)`` from the 0-dim ``sum r`` (the same ops as above)."""
+    return torch.reciprocal(torch.clamp(total / float(rows), min=FLT_MIN))
+
+
+def _compute_dtype(param: Tensor) -> torch.dtype:
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def _check_stats(stats: Tensor | None, global_rows: int | None, param: Tensor) -> None:
+    """``stats``: ``[R + C + 1]`` in the compute dtype on ``param``'s device, with
+    ``global_rows >= max(R, 1)``; or both ``None``."""
+    if stats is None:
+        if global_rows is not None:
+            raise ValueError("global_rows is given without stats; pass both or neither")
+        return
+    rows, cols = int(param.shape[0]), int(param.shape[1])
+    if not isinstance(global_rows, int) or isinstance(global_rows, bool) \
+            or global_rows < max(rows, 1):
+        raise ValueError(f"global_rows must be an int >= max(local rows {rows}, 1) with stats, "
+                         f"got {global_rows!r}")
+    V.check_state("stats", stats, _compute_dtype(param), (rows + cols + 1,), param.device)
+
+
+def _stats_scalars(cdt: torch.dtype, beta2: float) -> StepScalars:
+    return make_scalars(dtype=cdt, lr=0.0, beta1=0.0, beta2=beta2, eps=0.0, bc1_recip=1.0,
+                        bc2=1.0, decay=1.0, hyper=None)
+
+
+def _partial_stats_reference(grad: Tensor, row: Tensor, cdt: torch.dtype,
+                             beta2: float) -> Tensor:
+    rows, cols = grad.shape
+    out = torch.zeros(rows + cols + 1, dtype=cdt, device=grad.device)
+    if grad.numel() == 0:
+        out[:rows] = row.to(torch.float32)
+        return out
+    row_sum, col_sum = _row_col_sums(grad, cdt)
+    # Rounded to the fp32 state first, as the one-call step stores r' before summing it.
+    r_new = _ema(row, row_sum, 1.0 / cols, _stats_scalars(cdt, beta2)).to(torch.float32)
+    out[:rows] = r_new
+    out[rows:rows + cols] = col_sum
+    out[rows + cols] = r_new.to(cdt).sum()
+    return out
+
+
+def _finalize_reference(row: Tensor, col: Tensor, stats: Tensor, global_rows: int,
+                        sc: StepScalars) -> Tensor:
+    """Install ``r'`` and the ``k`` EMA from (reduced) ``stats``; returns ``1/rbar`` (0-dim)."""
+    rows, cols = row.numel(), col.numel()
+    row.copy_(stats[:rows])
+    col.copy_(_ema(col, stats[rows:rows + cols], 1.0 / global_rows, sc))
+    return _inv_rbar_from_total(stats[rows + cols], global_rows)
+
+
+def factored_partial_stats_reference(param: Tensor, grad: Tensor, exp_avg_sq_row: Tensor,
+                                     exp_avg_sq_col: Tensor, *, beta2: float) -> Tensor:
+    """This shard's part of §1.11 steps 1-2, for a row-sharded parameter; mutates nothing.
+
+    Args:
+        param, grad: the local rows ``[R, C]`` (contiguous; grad any float dtype).
+        exp_avg_sq_row: fp32 ``[R]`` (this shard's rows); exp_avg_sq_col: fp32 ``[C]``.
+        beta2: as in :func:`factored_step_reference`.
+
+    Returns:
+        ``stats`` ``[R + C + 1]`` in fp32 (fp64 for fp64 params): ``[:R]`` the new row
+        statistics ``r'`` (already rounded to fp32), ``[R:R + C]`` the column sums of ``g^2``
+        over these rows, ``[R + C]`` ``sum(r')``. Sum ``stats[R:]`` over the shards (every
+        shard, empty ones adding zeros) and pass it to :func:`factored_step` as ``stats`` with
+        ``global_rows``; unreduced with ``global_rows = R`` it reproduces the one-call step
+        bit for bit.
+
+    Raises:
+        TypeError, ValueError: bad dtype, shape, device or ``beta2``.
+    """
+    _check_partial(param, grad, exp_avg_sq_row, exp_avg_sq_col, beta2)
+    return _partial_stats_reference(grad, exp_avg_sq_row, _compute_dtype(param), beta2)
+
+
+def factored_partial_stats(param: Tensor, grad: Tensor, exp_avg_sq_row: Tensor,
+                           exp_avg_sq_col: Tensor, *, beta2: float) -> Tensor:
+    """:func:`factored_partial_stats_reference` through the statistics kernels on CUDA with
+    Triton (fp32 ``stats``, fixed-order sums, two launches, no host sync), else the reference.
+
+    Raises:
+        TypeError, ValueError: as the reference.
+    """
+    _check_partial(param, grad, exp_avg_sq_row, exp_avg_sq_col, beta2)
+    if use_triton(param) and param.dtype != torch.float64:
+        return _partial_stats_triton(_triton_grad(grad), exp_avg_sq_row, beta2)
+    return _partial_stats_reference(grad, exp_avg_sq_row, _compute_dtype(param), beta2)
+
+
+def factored_finalize_stats(exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, stats: Tensor, *,
+                            beta2: float, global_rows: int, reference: bool = False) -> Tensor:
+    """Install ``r' = stats[:R]`` and ``k <- beta2 k + (1 - beta2) stats[R:R+C] / global_rows``
+    in place; returns ``1/rbar`` with ``rbar = max(stats[R+C] / global_rows, FLT_MIN)``.
+
+    What :func:`factored_step` does with ``stats`` before its update, for a shard that has no
+    update to make (an empty ``Shard(0)`` shard, ``R = 0``), so its replicated ``k`` stays
+    identical to the other shards'. Triton on CUDA unless ``reference``.
+
+    Args:
+        exp_avg_sq_row: fp32 ``[R]`` (``R`` may be 0); exp_avg_sq_col: fp32 ``[C]``.
+        stats: reduced ``[R + C + 1]`` (fp32, or fp64 on the reference path).
+        beta2, global_rows: as in :func:`factored_step`.
+
+    Returns:
+        ``1/rbar``: fp32 ``[1]`` (Triton) or a 0-dim tensor of ``stats``' dtype (reference).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match, ``global_rows < max(R, 1)``.
+    """
+    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
+    dev = exp_avg_sq_col.device
+    V.check_state("exp_avg_sq_row", exp_avg_sq_row, torch.float32, (rows,), dev)
+    V.check_state("exp_avg_sq_col", exp_avg_sq_col, torch.float32, (cols,), dev)
+    if not isinstance(stats, Tensor) or stats.dtype not in (torch.float32, torch.float64):
+        raise ValueError("stats must be an fp32 or fp64 tensor")
+    V.check_state("stats", stats, stats.dtype, (rows + cols + 1,), dev)
+    if not isinstance(global_rows, int) or isinstance(global_rows, bool) \
+            or global_rows < max(rows, 1):
+        raise ValueError(f"global_rows must be an int >= max({rows}, 1), got {global_rows!r}")
+    V.check_betas(0.0, beta2, 0.0)
+    if not reference and use_triton(exp_avg_sq_col) and stats.dtype == torch.float32:
+        return _finalize_triton(exp_avg_sq_row, exp_avg_sq_col, stats, global_rows, beta2)
+    return _finalize_reference(exp_avg_sq_row, exp_avg_sq_col, stats, global_rows,
+                               _stats_scalars(stats.dtype, beta2))
+
+
+def _check_partial(param: Tensor, grad: Tensor, row: Tensor, col: Tensor, beta2: float) -> None:
+    V.check_param_grad(param, grad, allow_fp64=True)
+    if param.dim() != 2:
+        raise ValueError(f"factored statistics need a 2-D param [R, C], got shape "
+                         f"{list(param.shape)}")
+    if tuple(grad.shape) != tuple(param.shape):
+        raise ValueError(f"grad shape {list(grad.shape)} != param shape {list(param.shape)}")
+    V.check_state("exp_avg_sq_row", row, torch.float32, (int(param.shape[0]),), param.device)
+    V.check_state("exp_avg_sq_col", col, torch.float32, (int(param.shape[1]),), param.device)
+    V.check_betas(0.0, beta2, 0.0)
+
+
+def _triton_grad(grad: Tensor) -> Tensor:
+    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return grad.to(torch.float32)
+    return grad
 
 
 def factored_step_reference(
@@ -106,6 +268,8 @@ def factored_step_reference(
     seed: int = 0,
     hyper: Tensor | None = None,
     seed_tensor: Tensor | None = None,
+    stats: Tensor | None = None,
+    global_rows: int | None = None,
 ) -> None:
     """PyTorch reference of the factored-mode step (§1.11), in place.
 
@@ -118,6 +282,12 @@ def factored_step_reference(
         bc1_recip: ``1 / (1 - beta1**step)``; bc2_recip: ``1 / (1 - beta2**step_f)`` (not its
             root); decay: ``1 - lr * weight_decay``.
         hyper: optional fp32 ``[4]`` ``[lr, bc2_recip, bc1_recip, decay]`` on the device.
+        stats: for a row-sharded parameter, :func:`factored_partial_stats_reference` of this
+            shard with ``stats[R:]`` summed over every shard (fp32; fp64 for fp64 params,
+            ``[R + C + 1]``); steps 1-2 then use it instead of this shard's gradient:
+            ``r <- stats[:R]``, ``k <- beta2 k + (1 - beta2) stats[R:R+C] / global_rows``,
+            ``rbar = max(stats[R+C] / global_rows, FLT_MIN)``. Not mutated.
+        global_rows: the global row count; required with ``stats``, else ``None``.
         Other arguments as :func:`gefen_kernels.ops.block_step.block_step_reference`.
 
     Raises:
@@ -126,19 +296,24 @@ def factored_step_reference(
     """
     _check(param, grad, codes, scale, exp_avg_sq_row, exp_avg_sq_col, codebook, beta1, beta2,
            eps, seed, hyper, seed_tensor, allow_fp64=True)
+    _check_stats(stats, global_rows, param)
     if param.numel() == 0:
         return
     rows, cols = param.shape
-    cdt = torch.float64 if param.dtype == torch.float64 else torch.float32
+    cdt = _compute_dtype(param)
     sc = make_scalars(dtype=cdt, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                       bc1_recip=bc1_recip, bc2=bc2_recip, decay=decay, hyper=hyper)
-    row_sum, col_sum = _row_col_sums(grad, cdt)
-    exp_avg_sq_row.copy_(_ema(exp_avg_sq_row, row_sum, 1.0 / cols, sc))
-    exp_avg_sq_col.copy_(_ema(exp_avg_sq_col, col_sum, 1.0 / rows, sc))
-    del row_sum, col_sum
+    if stats is not None:
+        assert global_rows is not None
+        inv_rbar = _finalize_reference(exp_avg_sq_row, exp_avg_sq_col, stats, global_rows, sc)
+    else:
+        row_sum, col_sum = _row_col_sums(grad, cdt)
+        exp_avg_sq_row.copy_(_ema(exp_avg_sq_row, row_sum, 1.0 / cols, sc))
+        exp_avg_sq_col.copy_(_ema(exp_avg_sq_col, col_sum, 1.0 / rows, sc))
+        del row_sum, col_sum
+        inv_rbar = _rbar_reciprocal(exp_avg_sq_row.to(cdt), rows)
     r = exp_avg_sq_row.to(cdt)
     k = exp_avg_sq_col.to(cdt)
-    inv_rbar = _rbar_reciprocal(r, rows)
 
     def element_sigma(start: int, end: int) -> tuple[Tensor, Tensor]:
         index = torch.arange(start, end, device=param.device, dtype=torch.int64)
@@ -200,14 +375,22 @@ def _factored_stats_kernel(g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, n_co
 
 
 @jit
-def _factored_finalize_kernel(row_part_ptr, col_part_ptr, row_ptr, col_ptr, inv_rbar_ptr,  # type: ignore[no-untyped-def]
-                              nrows, ncols, n_col_tiles, n_row_programs, inv_c, inv_r, b2, omb2,
-                              BLOCK: tl.constexpr):
+def _factored_finalize_kernel(row_part_ptr, col_part_ptr, row_in_ptr, row_out_ptr, col_ptr,  # type: ignore[no-untyped-def]
+                              col_sum_ptr, total_ptr, inv_rbar_ptr, nrows, ncols, n_col_tiles,
+                              n_row_programs, rbar_rows, inv_c, inv_r, b2, omb2,
+                              PHASE: tl.constexpr, BLOCK: tl.constexpr):
     """Reduce the partials in a fixed order and apply the r/k EMA; program 0 also writes 1/rbar.
 
-    Program 0: ``r' = f32(f32(b2 * r) + f32(f32(rowsum * f32(1/C)) * (1 - b2)))`` for every
-    row (the reference's ``_ema``), then ``1/rbar = f32(1 / max(f32(f32(sum r') / f32(R)),
-    FLT_MIN))`` into ``inv_rbar_ptr[0]``. Programs ``1 ..``: ``k'`` for ``BLOCK`` columns each.
+    PHASE 0 (one call): program 0: ``r' = f32(f32(b2 * r) + f32(f32(rowsum * f32(1/C)) *
+    (1 - b2)))`` for every row (the reference's ``_ema``) from ``row_in_ptr`` to
+    ``row_out_ptr`` (both ``r``), then ``1/rbar = f32(1 / max(f32(f32(sum r') /
+    f32(rbar_rows)), FLT_MIN))`` into ``inv_rbar_ptr[0]``. Programs ``1 ..``: ``k'`` for
+    ``BLOCK`` columns each.
+    PHASE 1 (partial, mutates no state): ``r'`` from ``row_in_ptr`` (r) into ``row_out_ptr``
+    (scratch), ``sum r'`` into ``total_ptr[0]`` and the column sums into ``col_sum_ptr``.
+    PHASE 2 (finalize from reduced sums): ``row_in_ptr`` (r') copied to ``row_out_ptr`` (r),
+    ``1/rbar`` from ``total_ptr[0]``, ``k'`` from ``col_sum_ptr``. The arithmetic of each
+    quantity is the PHASE 0 expression, so PHASE 1 + 2 with unreduced sums equal PHASE 0.
     """
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK).to(tl.int64)
@@ -217,30 +400,47 @@ def _factored_finalize_kernel(row_part_ptr, col_part_ptr, row_ptr, col_ptr, inv_
         while start < nrows:
             idx = start + lanes
             mask = idx < nrows
-            total = tl.zeros([BLOCK], dtype=tl.float32)
-            t = n_col_tiles * 0
-            while t < n_col_tiles:
-                total += tl.load(row_part_ptr + idx * n_col_tiles + t, mask=mask, other=0.0)
-                t += 1
-            r_new = tl.load(row_ptr + idx, mask=mask, other=0.0) * b2 + (total * inv_c) * omb2
-            tl.store(row_ptr + idx, r_new, mask=mask)
-            acc += tl.where(mask, r_new, 0.0)
+            if PHASE == 2:
+                r_new = tl.load(row_in_ptr + idx, mask=mask, other=0.0)
+            else:
+                total = tl.zeros([BLOCK], dtype=tl.float32)
+                t = n_col_tiles * 0
+                while t < n_col_tiles:
+                    total += tl.load(row_part_ptr + idx * n_col_tiles + t, mask=mask, other=0.0)
+                    t += 1
+                r_new = tl.load(row_in_ptr + idx, mask=mask, other=0.0) * b2 + \
+                    (total * inv_c) * omb2
+                acc += tl.where(mask, r_new, 0.0)
+            tl.store(row_out_ptr + idx, r_new, mask=mask)
             start += BLOCK
-        # `nrows` may be the Python int 1 (specialised): the fp32 zero converts it either way.
-        mean = tl.math.div_rn(tl.sum(acc, axis=0), tl.zeros([], dtype=tl.float32) + nrows)
-        # NaN-propagating floor, as torch.clamp (GPU max instructions would drop the NaN).
-        rbar = tl.where(mean != mean, mean, tl.maximum(mean, 1.1754943508222875e-38))
-        tl.store(inv_rbar_ptr, tl.math.div_rn(1.0, rbar))
+        if PHASE == 1:
+            tl.store(total_ptr, tl.sum(acc, axis=0))
+        else:
+            if PHASE == 2:
+                r_sum = tl.load(total_ptr)
+            else:
+                r_sum = tl.sum(acc, axis=0)
+            # `rbar_rows` may be the Python int 1 (specialised): the fp32 zero converts it.
+            mean = tl.math.div_rn(r_sum, tl.zeros([], dtype=tl.float32) + rbar_rows)
+            # NaN-propagating floor, as torch.clamp (GPU max instructions would drop the NaN).
+            rbar = tl.where(mean != mean, mean, tl.maximum(mean, 1.1754943508222875e-38))
+            tl.store(inv_rbar_ptr, tl.math.div_rn(1.0, rbar))
     else:
         idx = (pid - 1).to(tl.int64) * BLOCK + lanes
         mask = idx < ncols
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        p = n_row_programs * 0
-        while p < n_row_programs:
-            total += tl.load(col_part_ptr + p * ncols + idx, mask=mask, other=0.0)
-            p += 1
-        k_new = tl.load(col_ptr + idx, mask=mask, other=0.0) * b2 + (total * inv_r) * omb2
-        tl.store(col_ptr + idx, k_new, mask=mask)
+        if PHASE == 2:
+            total = tl.load(col_sum_ptr + idx, mask=mask, other=0.0)
+        else:
+            total = tl.zeros([BLOCK], dtype=tl.float32)
+            p = n_row_programs * 0
+            while p < n_row_programs:
+                total += tl.load(col_part_ptr + p * ncols + idx, mask=mask, other=0.0)
+                p += 1
+        if PHASE == 1:
+            tl.store(col_sum_ptr + idx, total, mask=mask)
+        else:
+            k_new = tl.load(col_ptr + idx, mask=mask, other=0.0) * b2 + (total * inv_r) * omb2
+            tl.store(col_ptr + idx, k_new, mask=mask)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -300,9 +500,45 @@ def factored_stats_triton(grad: Tensor, exp_avg_sq_row: Tensor, exp_avg_sq_col: 
     b2 = f32(beta2)
     block = _FINALIZE_BLOCK
     _factored_finalize_kernel[(1 + _cdiv(cols, block),)](
-        row_part, col_part, exp_avg_sq_row, exp_avg_sq_col, inv_rbar, rows, cols,
-        row_part.shape[1], col_part.shape[0], f32(1.0 / cols), f32(1.0 / rows), b2,
-        f32(1.0 - b2), BLOCK=block, num_warps=4, **LAUNCH_OPTIONS)
+        row_part, col_part, exp_avg_sq_row, exp_avg_sq_row, exp_avg_sq_col, inv_rbar, inv_rbar,
+        inv_rbar, rows, cols, row_part.shape[1], col_part.shape[0], rows, f32(1.0 / cols),
+        f32(1.0 / rows), b2, f32(1.0 - b2), PHASE=0, BLOCK=block, num_warps=4,
+        **LAUNCH_OPTIONS)
+    return inv_rbar
+
+
+def _partial_stats_triton(grad: Tensor, exp_avg_sq_row: Tensor, beta2: float) -> Tensor:
+    """:func:`factored_partial_stats` on the kernels: fp32 ``[R + C + 1]``, two launches."""
+    rows, cols = grad.shape
+    out = torch.empty(rows + cols + 1, dtype=torch.float32, device=grad.device)
+    if grad.numel() == 0:
+        out.zero_()
+        out[:rows] = exp_avg_sq_row
+        return out
+    row_part, col_part, _ = _stats_partials(grad)
+    b2 = f32(beta2)
+    block = _FINALIZE_BLOCK
+    _factored_finalize_kernel[(1 + _cdiv(cols, block),)](
+        row_part, col_part, exp_avg_sq_row, out, out, out[rows:], out[rows + cols:], out, rows,
+        cols, row_part.shape[1], col_part.shape[0], rows, f32(1.0 / cols), f32(1.0 / rows), b2,
+        f32(1.0 - b2), PHASE=1, BLOCK=block, num_warps=4, **LAUNCH_OPTIONS)
+    return out
+
+
+def _finalize_triton(exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, stats: Tensor,
+                     global_rows: int, beta2: float) -> Tensor:
+    """PHASE 2 of the finalize kernel: one launch; returns ``1/rbar`` as fp32 ``[1]``."""
+    rows, cols = exp_avg_sq_row.numel(), exp_avg_sq_col.numel()
+    inv_rbar = torch.empty(1, dtype=torch.float32, device=stats.device)
+    # An empty row vector may have no storage; with nrows = 0 its pointer is never read.
+    row_out = exp_avg_sq_row if rows else stats
+    b2 = f32(beta2)
+    block = _FINALIZE_BLOCK
+    _factored_finalize_kernel[(1 + _cdiv(cols, block),)](
+        stats, stats, stats, row_out, exp_avg_sq_col, stats[rows:], stats[rows + cols:],
+        inv_rbar, rows, cols, 1, 1, global_rows, f32(1.0 / max(cols, 1)),
+        f32(1.0 / global_rows), b2, f32(1.0 - b2), PHASE=2, BLOCK=block, num_warps=4,
+        **LAUNCH_OPTIONS)
     return inv_rbar
 
 
@@ -327,6 +563,8 @@ def factored_step_triton(
     seed: int = 0,
     hyper: Tensor | None = None,
     seed_tensor: Tensor | None = None,
+    stats: Tensor | None = None,
+    global_rows: int | None = None,
 ) -> None:
     """Triton factored-mode step; same signature and contract as the reference.
 
@@ -335,6 +573,8 @@ def factored_step_triton(
     ``1/rbar`` as a device scalar: no host sync), then the shared update kernel with ``sigma``
     per element in registers. Codes and scales equal the reference's bit for
     bit; ``r``/``k`` may differ by fp32 ulps (summation order), parameters accordingly.
+    With ``stats`` (a row shard, see the reference) the first two launches are replaced by one
+    finalize launch that reads the reduced sums.
 
     Raises:
         ImportError: Triton is not installed. TypeError, ValueError: as the reference, plus
@@ -342,14 +582,18 @@ def factored_step_triton(
     """
     _check(param, grad, codes, scale, exp_avg_sq_row, exp_avg_sq_col, codebook, beta1, beta2,
            eps, seed, hyper, seed_tensor, allow_fp64=False)
+    _check_stats(stats, global_rows, param)
     require_triton("the Triton Gefen factored step")
     check_device_for_triton(param)
     if param.numel() == 0:
         return
-    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        grad = grad.to(torch.float32)
+    grad = _triton_grad(grad)
     rows, cols = param.shape
-    inv_rbar = factored_stats_triton(grad, exp_avg_sq_row, exp_avg_sq_col, beta2=beta2)
+    if stats is not None:
+        assert global_rows is not None
+        inv_rbar = _finalize_triton(exp_avg_sq_row, exp_avg_sq_col, stats, global_rows, beta2)
+    else:
+        inv_rbar = factored_stats_triton(grad, exp_avg_sq_row, exp_avg_sq_col, beta2=beta2)
     launch_step(param, grad, codes, scale, exp_avg_sq=None, row=exp_avg_sq_row,
                 col=exp_avg_sq_col, inv_rbar=inv_rbar, ncols=cols, codebook=codebook, lr=lr,
                 beta1=beta1, beta2=beta2, eps=eps, bc1_recip=bc1_recip, bc2=bc2_recip,
@@ -370,12 +614,13 @@ def _factored_step_op(param: Tensor, grad: Tensor, codes: Tensor, scale: Tensor,
                       hyper: Tensor | None, seed_tensor: Tensor | None, lr: float,
                       beta1: float, beta2: float, eps: float, bc1_recip: float,
                       bc2_recip: float, decay: float, maximize: bool, stochastic_round: bool,
-                      seed: int) -> None:
+                      seed: int, stats: Tensor | None = None, global_rows: int = 0) -> None:
     factored_step_reference(param, grad, codes, scale, exp_avg_sq_row, exp_avg_sq_col, codebook,
                             lr=lr, beta1=beta1, beta2=beta2, eps=eps, bc1_recip=bc1_recip,
                             bc2_recip=bc2_recip, decay=decay, maximize=maximize,
                             stochastic_round=stochastic_round, seed=seed, hyper=hyper,
-                            seed_tensor=seed_tensor)
+                            seed_tensor=seed_tensor, stats=stats,
+                            global_rows=global_rows if stats is not None else None)
 
 
 @_factored_step_op.register_kernel("cuda")
@@ -384,13 +629,15 @@ def _factored_step_cuda(param: Tensor, grad: Tensor, codes: Tensor, scale: Tenso
                         hyper: Tensor | None, seed_tensor: Tensor | None, lr: float,
                         beta1: float, beta2: float, eps: float, bc1_recip: float,
                         bc2_recip: float, decay: float, maximize: bool,
-                        stochastic_round: bool, seed: int) -> None:
+                        stochastic_round: bool, seed: int, stats: Tensor | None = None,
+                        global_rows: int = 0) -> None:
     impl = (factored_step_triton if use_triton(param) and param.dtype != torch.float64
             else factored_step_reference)
     impl(param, grad, codes, scale, exp_avg_sq_row, exp_avg_sq_col, codebook, lr=lr,
          beta1=beta1, beta2=beta2, eps=eps, bc1_recip=bc1_recip, bc2_recip=bc2_recip,
          decay=decay, maximize=maximize, stochastic_round=stochastic_round, seed=seed,
-         hyper=hyper, seed_tensor=seed_tensor)
+         hyper=hyper, seed_tensor=seed_tensor, stats=stats,
+         global_rows=global_rows if stats is not None else None)
 
 
 @_factored_step_op.register_fake
@@ -399,7 +646,8 @@ def _factored_step_fake(param: Tensor, grad: Tensor, codes: Tensor, scale: Tenso
                         hyper: Tensor | None, seed_tensor: Tensor | None, lr: float,
                         beta1: float, beta2: float, eps: float, bc1_recip: float,
                         bc2_recip: float, decay: float, maximize: bool,
-                        stochastic_round: bool, seed: int) -> None:
+                        stochastic_round: bool, seed: int, stats: Tensor | None = None,
+                        global_rows: int = 0) -> None:
     return None
 
 
@@ -424,17 +672,21 @@ def factored_step(
     seed: int = 0,
     hyper: Tensor | None = None,
     seed_tensor: Tensor | None = None,
+    stats: Tensor | None = None,
+    global_rows: int | None = None,
 ) -> None:
     """Factored-mode step through ``torch.ops.gefen.factored_step`` (arguments as the reference).
 
     CUDA tensors take the Triton path when Triton is available (fp64: the reference); CPU
-    tensors the reference. Validated here before anything is mutated; compile- and
+    tensors the reference. ``stats``/``global_rows``: a row shard's reduced statistics (see
+    :func:`factored_partial_stats`). Validated here before anything is mutated; compile- and
     CUDA-graph-safe (with ``hyper``/``seed_tensor``).
     """
     _check(param, grad, codes, scale, exp_avg_sq_row, exp_avg_sq_col, codebook, beta1, beta2,
            eps, seed, hyper, seed_tensor, allow_fp64=True)
+    _check_stats(stats, global_rows, param)
     torch.ops.gefen.factored_step(param, grad, codes, scale, exp_avg_sq_row, exp_avg_sq_col,
                                   codebook, hyper, seed_tensor, float(lr), float(beta1),
                                   float(beta2), float(eps), float(bc1_recip), float(bc2_recip),
                                   float(decay), bool(maximize), bool(stochastic_round),
-                                  int(seed))
+                                  int(seed), stats, int(global_rows or 0))

@@ -209,8 +209,8 @@ def histogram_triton(grad: Tensor, period: int, *, _route: str | None = None,
         **LAUNCH_OPTIONS)
     amax = part.amax(dim=1)
     _histogram_split_kernel[(num_blocks * num_splits,)](
-        flat, amax, counts, period, num_splits, SPLIT=_split_elements, TILE=tile, NUM_BINS=HISTOGRAM_BINS,
-        num_warps=8, **LAUNCH_OPTIONS)
+        flat, amax, counts, period, num_splits, SPLIT=_split_elements, TILE=tile,
+        NUM_BINS=HISTOGRAM_BINS, num_warps=8, **LAUNCH_OPTIONS)
     return counts
 
 

@@ -18,6 +18,12 @@ optimizer):
 The arithmetic is fp32 for fp32/bf16/fp16 gradients (decision O10: the reference
 implementation computed this EMA in bf16) and fp64 for fp64 gradients; ``codes`` and ``scale``
 are always uint8 and fp32. Non-finite values follow :mod:`gefen_kernels._numerics`.
+
+Implementations: :func:`muon_momentum_reference` (PyTorch, any device, chunked),
+:func:`muon_momentum_triton` (the kernels of :mod:`._muon_kernels`, bit-identical to the
+reference for fp32/bf16/fp16 gradients), the custom op ``torch.ops.gefen.muon_momentum``
+(CUDA -> Triton, else the reference; fake implementation for ``torch.compile``) and the
+dispatching :func:`muon_momentum` that gefen-core calls.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ from torch import Tensor
 from .. import _validation as V
 from .._numerics import f32, momentum_ema
 from ._chunks import block_groups
+from ._dispatch import use_triton
+from ._muon_kernels import launch_muon_momentum
 from ._quant_ref import nearest_codes, sr_uniform_int64, stochastic_codes
 
-__all__ = ["muon_momentum", "muon_momentum_reference"]
+__all__ = ["muon_momentum", "muon_momentum_reference", "muon_momentum_triton"]
 
 
 def _check(grad: Tensor, codes: Tensor, scale: Tensor, codebook: Tensor, beta: float,
@@ -157,6 +165,86 @@ def muon_momentum_reference(
     return result
 
 
+# --------------------------------------------------------------------------------------------
+# Triton launcher (kernels in _muon_kernels.py)
+# --------------------------------------------------------------------------------------------
+
+
+def muon_momentum_triton(
+    grad: Tensor,
+    codes: Tensor,
+    scale: Tensor,
+    codebook: Tensor,
+    *,
+    beta: float,
+    nesterov: bool,
+    maximize: bool = False,
+    stochastic_round: bool = False,
+    seed: int = 0,
+    seed_tensor: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Triton Muon momentum step; same signature and contract as the reference.
+
+    Codes, scales and the dense output equal :func:`muon_momentum_reference`'s bit for bit
+    (the only reduction, the block max, is order-independent; every other operation is the
+    same IEEE fp32 operation in the same order). One launch for ``P <= 4096`` (``tile``
+    route) or for many long blocks (``loop``); few long blocks take two launches and a torch
+    ``amax`` (``split``). No host synchronisation once the codebook's search table is cached:
+    capturable in a CUDA graph with ``seed_tensor``.
+
+    Raises:
+        ImportError: Triton is not installed (the message says how to get it).
+        TypeError, ValueError: as the reference; an fp64 ``grad`` (the reference handles it);
+            non-CUDA tensors outside the Triton interpreter.
+    """
+    _check(grad, codes, scale, codebook, beta, seed, seed_tensor, out)
+    if grad.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"grad dtype {grad.dtype} is not supported by the Triton kernel; "
+                        "expected fp32, bf16 or fp16 (fp64 gradients take the PyTorch "
+                        "reference path: call muon_momentum or muon_momentum_reference)")
+    result = torch.empty_like(grad) if out is None else out
+    launch_muon_momentum(grad, codes, scale, codebook, result, beta=beta, nesterov=nesterov,
+                         maximize=maximize, stochastic_round=stochastic_round, seed=seed,
+                         seed_tensor=seed_tensor)
+    return result
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom op: CUDA -> Triton (when available, non-fp64), else the reference.
+# The op writes the preallocated ``out`` (a custom op may not return an alias of an input).
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("gefen::muon_momentum", mutates_args=("codes", "scale", "out"))
+def _muon_momentum_op(grad: Tensor, codes: Tensor, scale: Tensor, codebook: Tensor,
+                      seed_tensor: Tensor | None, out: Tensor, beta: float, nesterov: bool,
+                      maximize: bool, stochastic_round: bool, seed: int) -> None:
+    muon_momentum_reference(grad, codes, scale, codebook, beta=beta, nesterov=nesterov,
+                            maximize=maximize, stochastic_round=stochastic_round, seed=seed,
+                            seed_tensor=seed_tensor, out=out)
+
+
+@_muon_momentum_op.register_kernel("cuda")
+def _muon_momentum_cuda(grad: Tensor, codes: Tensor, scale: Tensor, codebook: Tensor,
+                        seed_tensor: Tensor | None, out: Tensor, beta: float, nesterov: bool,
+                        maximize: bool, stochastic_round: bool, seed: int) -> None:
+    impl = muon_momentum_triton if use_triton(grad) and grad.dtype in _KERNEL_DTYPES else (
+        muon_momentum_reference)
+    impl(grad, codes, scale, codebook, beta=beta, nesterov=nesterov, maximize=maximize,
+         stochastic_round=stochastic_round, seed=seed, seed_tensor=seed_tensor, out=out)
+
+
+@_muon_momentum_op.register_fake
+def _muon_momentum_fake(grad: Tensor, codes: Tensor, scale: Tensor, codebook: Tensor,
+                        seed_tensor: Tensor | None, out: Tensor, beta: float, nesterov: bool,
+                        maximize: bool, stochastic_round: bool, seed: int) -> None:
+    return None
+
+
 def muon_momentum(
     grad: Tensor,
     codes: Tensor,
@@ -171,11 +259,17 @@ def muon_momentum(
     seed_tensor: Tensor | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
-    """The quantized Muon momentum step on any device (same signature as the reference).
+    """The quantized Muon momentum step through ``torch.ops.gefen.muon_momentum``.
 
-    There is no Triton kernel for this op yet: every device runs
-    :func:`muon_momentum_reference` (a handful of elementwise launches per chunk).
+    Same arguments, result and errors as :func:`muon_momentum_reference`. CUDA tensors run
+    the Triton kernel when Triton is available (fp64 gradients: the reference); CPU tensors
+    run the reference. Arguments are validated here, before the op mutates anything.
+    Traceable by ``torch.compile(fullgraph=True)``; with ``seed_tensor`` the CUDA path does no
+    host synchronisation (CUDA-graph capturable once the codebook's search table is cached).
     """
-    return muon_momentum_reference(
-        grad, codes, scale, codebook, beta=beta, nesterov=nesterov, maximize=maximize,
-        stochastic_round=stochastic_round, seed=seed, seed_tensor=seed_tensor, out=out)
+    _check(grad, codes, scale, codebook, beta, seed, seed_tensor, out)
+    result = torch.empty_like(grad) if out is None else out
+    torch.ops.gefen.muon_momentum(grad, codes, scale, codebook, seed_tensor, result,
+                                  float(beta), bool(nesterov), bool(maximize),
+                                  bool(stochastic_round), int(seed))
+    return result

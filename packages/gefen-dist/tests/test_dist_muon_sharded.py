@@ -1,0 +1,344 @@
+"""FSDP2: ShardedGefenMuon's three sharded modes (ALGORITHM.md §4.8) against a single process.
+
+Every rank feeds the same batch, so FSDP2's averaged gradient is exactly the single-process
+gradient (see test_dist_fsdp.py). "exact" and "distributed" all-gather those gradients and run
+GefenMuon's own per-matrix code on them: period search, codebook, the quantized momentum,
+bf16 Newton–Schulz and NorMuon see bit-identical inputs and run the same CPU kernels in the
+same order, and each rank writes a row slice of the same full update. So the strongest claim
+holds and is asserted: every parameter, every loss and every momentum code is *bit-identical*
+to the single process (on GPUs this needs homogeneous devices). "approx" orthogonalises row
+blocks, which is a different update by construction: it must run and stay finite, and its
+deviation from the single process is printed (README.md records it).
+
+The Muon matrices include an uneven shard (``pos``, 15 rows on 2 ranks: 8 + 7) and an empty
+one (``registers``, 1 row: rank 1 holds none).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist_models import batches, full_params, lm_loss, make_model, shard, train
+
+from gefen_dist.testing import run_distributed
+
+STEPS = 4
+LR = 0.02
+MODEL_KW = dict(dim=32, layers=1, heads=2, seq=15, extra_rows=1)
+MUON_KW = dict(lr=LR, normuon=True, weight_decay=0.1)
+
+
+def _muon_named(model) -> list:
+    return [(n, p) for n, p in model.named_parameters()
+            if p.ndim == 2 and "embed" not in n and "head" not in n]
+
+
+def _data():
+    return batches(STEPS, batch=4, seq=12, seed=5)
+
+
+def _reference():
+    """Single-process GefenMuon on the same global model and data."""
+    from gefen_core import GefenMuon
+
+    ref = make_model(seed=0, **MODEL_KW)
+    opt = GefenMuon(_muon_named(ref), **MUON_KW)
+    losses = train(ref, opt, _data())
+    state = {n: dict(opt.state[p]) for n, p in _muon_named(ref)}
+    return losses, full_params(ref), opt._codebook.clone(), state
+
+
+def _gathered(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _snapshot(model) -> dict:
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _restore(model, snap) -> None:
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.to_local().copy_(snap[n])
+
+
+def _resume_matches(model, opt, make_opt, data) -> bool:
+    """Same-topology checkpoint: a fresh optimizer loaded from ``opt.state_dict()`` takes the
+    same next step as ``opt`` itself (parameters compared bit for bit)."""
+    sd = copy.deepcopy(opt.state_dict())  # state tensors are returned by reference
+    snap = _snapshot(model)
+    train(model, opt, data)
+    after = _snapshot(model)
+    _restore(model, snap)
+    fresh = make_opt()
+    fresh.load_state_dict(sd)
+    train(model, fresh, data)
+    return all(torch.equal(after[n], p.to_local()) for n, p in model.named_parameters())
+
+
+def _modes_worker(rank: int, world: int) -> dict:
+    from gefen_dist import ShardedGefenMuon
+
+    ref_losses, ref_params, ref_codebook, ref_state = _reference()
+    muon_names = [n for n, _ in _muon_named(make_model(seed=0, **MODEL_KW))]
+    init = full_params(make_model(seed=0, **MODEL_KW))
+    out: dict = {"muon_names": muon_names}
+    for mode in ("exact", "distributed", "approx"):
+        model = shard(make_model(seed=0, **MODEL_KW))
+        named = _muon_named(model)
+
+        def make_opt(named=named, mode=mode):
+            return ShardedGefenMuon(named, sharded_mode=mode, **MUON_KW)
+
+        opt = make_opt()
+        losses = train(model, opt, _data())
+        final = full_params(model)
+        r: dict = {
+            "local_rows": {n: p.to_local().shape[0] for n, p in named},
+            "finite": all(bool(torch.isfinite(t).all()) for t in final.values()),
+            "losses_equal": losses == ref_losses,
+            "params_differing": sorted(n for n in muon_names
+                                       if not torch.equal(final[n], ref_params[n])),
+            "max_abs_param_dev": max(float((final[n] - ref_params[n]).abs().max())
+                                     for n in muon_names),
+            "max_rel_update_dev": max(
+                float((final[n] - ref_params[n]).norm()
+                      / (ref_params[n] - init[n]).norm().clamp_min(1e-30)) for n in muon_names),
+            "max_rel_loss_gap": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "codebook_equal_ref": torch.equal(opt._codebook, ref_codebook),
+            "codebook_same_on_ranks": len(set(_gathered(opt._codebook.numpy().tobytes()))) == 1,
+        }
+        holders = sorted(n for n, p in named if "exp_avg_codes" in opt.state.get(p, {}))
+        r["momentum_holders"] = holders
+        r["codes_equal_ref"] = sorted(
+            n for n, p in named if n in holders
+            and torch.equal(opt.state[p]["exp_avg_codes"], ref_state[n]["exp_avg_codes"])
+            and torch.equal(opt.state[p]["normuon_exp_avg_sq"],
+                            ref_state[n]["normuon_exp_avg_sq"]))
+        r["owners"] = {n: o for n, o in zip(
+            muon_names, [j % world for j in range(len(muon_names))])}
+        sd = opt.state_dict()  # collective in distributed mode: complete on every rank
+        by_name = dict(zip(muon_names, range(len(muon_names))))
+        r["sd_complete_and_equal_ref"] = mode != "approx" and all(
+            by_name[n] in sd["state"] and torch.equal(
+                sd["state"][by_name[n]]["exp_avg_codes"], ref_state[n]["exp_avg_codes"])
+            for n in muon_names)
+        if mode != "approx":
+            # The full state loads on another world size: here one process, plain tensors.
+            from gefen_core import GefenMuon
+
+            plain = make_model(seed=0, **MODEL_KW)
+            single = GefenMuon(_muon_named(plain), **MUON_KW)
+            single.load_state_dict(copy.deepcopy(sd))
+            r["loads_single_process"] = all(
+                torch.equal(single.state[p]["exp_avg_codes"], ref_state[n]["exp_avg_codes"])
+                and torch.equal(single.state[p]["normuon_exp_avg_sq"],
+                                ref_state[n]["normuon_exp_avg_sq"])
+                for n, p in _muon_named(plain))
+        r["resume_matches"] = _resume_matches(model, opt, make_opt, _data()[:1])
+        out[mode] = r
+    return out
+
+
+def _all_worker(rank: int, world: int) -> dict:
+    # One spawn for every scenario: starting two interpreters and FSDP2 costs more than the
+    # scenarios themselves.
+    return {"modes": _modes_worker(rank, world), "failure": _failure_worker(rank, world),
+            "hybrid_gefen": _hybrid_worker(rank, world, "gefen", "distributed"),
+            "hybrid_adamw": _hybrid_worker(rank, world, "adamw", "exact")}
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> list[dict]:
+    return run_distributed(_all_worker, 2, timeout=240, collective_timeout=60)
+
+
+@pytest.mark.timeout(300)
+def test_sharded_modes_against_single_process(outcomes):
+    results = [o["modes"] for o in outcomes]
+    names = results[0]["muon_names"]
+    # The layout the test relies on: an uneven and an empty shard.
+    assert [r["exact"]["local_rows"]["pos"] for r in results] == [8, 7]
+    assert [r["exact"]["local_rows"]["registers"] for r in results] == [1, 0]
+    for rank, res in enumerate(results):
+        for mode in ("exact", "distributed"):
+            r = res[mode]
+            assert r["params_differing"] == [], (rank, mode, r["params_differing"])
+            assert r["losses_equal"], (rank, mode)
+            assert r["codebook_equal_ref"] and r["codebook_same_on_ranks"], (rank, mode)
+            assert r["codes_equal_ref"] == r["momentum_holders"], (rank, mode)
+            assert r["sd_complete_and_equal_ref"], (rank, mode)
+            assert r["resume_matches"] and r["loads_single_process"], (rank, mode)
+        # exact: full momentum replicated on every rank; distributed: owners only.
+        assert res["exact"]["momentum_holders"] == sorted(names)
+        owned = sorted(n for n, o in res["distributed"]["owners"].items() if o == rank)
+        assert res["distributed"]["momentum_holders"] == owned, rank
+        a = res["approx"]
+        assert a["finite"] and a["resume_matches"], rank
+        # A row block is not the full matrix: approx must differ (else it ran exact).
+        assert a["params_differing"], rank
+        # Momentum only where the block is non-empty (rank 1 has no "registers" rows).
+        assert ("registers" in a["momentum_holders"]) == (rank == 0)
+    a = results[0]["approx"]
+    print(f"approx on 2 ranks vs single process after {STEPS} steps: max |dtheta| "
+          f"{a['max_abs_param_dev']:.3e}, max ||dtheta|| / ||update|| "
+          f"{a['max_rel_update_dev']:.3f}, max relative loss gap {a['max_rel_loss_gap']:.3e}")
+
+
+def _failure_worker(rank: int, world: int) -> dict:
+    from gefen_dist import CollectiveCheckError, ShardedGefenMuon
+
+    out: dict = {}
+    x, y = _data()[0]
+    for mode in ("exact", "distributed"):
+        model = shard(make_model(seed=0, **MODEL_KW))
+        named = _muon_named(model)
+        opt = ShardedGefenMuon(named, sharded_mode=mode, **MUON_KW)
+        lm_loss(model, x, y).backward()
+        if rank == 1:
+            # A rank-local failure inside the pipeline (e.g. out of memory in Newton–Schulz).
+            def boom(u, group):
+                raise RuntimeError("simulated Newton-Schulz failure")
+
+            opt._orthogonalise = boom
+        try:
+            opt.step()
+            out[f"{mode}_pipeline"] = None
+        except CollectiveCheckError as exc:
+            out[f"{mode}_pipeline"] = (exc.failed_ranks, "simulated" in str(exc))
+        # The ranks are still in step: the group keeps working after the agreed error.
+        out[f"{mode}_alive"] = _gathered(rank) == list(range(world))
+        # Gradient presence that differs across ranks fails before any gather, everywhere.
+        opt = ShardedGefenMuon(named, sharded_mode=mode, **MUON_KW)
+        lm_loss(model, x, y).backward()
+        before = _snapshot(model)
+        if rank == 0:
+            named[0][1].grad = None
+        try:
+            opt.step()
+            out[f"{mode}_presence"] = None
+        except CollectiveCheckError as exc:
+            out[f"{mode}_presence"] = "gradient presence" in str(exc)
+        out[f"{mode}_presence_untouched"] = all(
+            torch.equal(before[n], p.to_local()) for n, p in named)
+    # A checkpoint rejected on one rank is refused on every rank, and nothing changes.
+    model = shard(make_model(seed=0, **MODEL_KW))
+    named = _muon_named(model)
+    opt = ShardedGefenMuon(named, sharded_mode="distributed", **MUON_KW)
+    train(model, opt, _data()[:1])
+    sd = copy.deepcopy(opt.state_dict())
+    live = copy.deepcopy(opt.state_dict())
+    if rank == 1:
+        sd["state"][0]["exp_avg_scale"] = sd["state"][0]["exp_avg_scale"][:-1]
+    try:
+        opt.load_state_dict(sd)
+        out["load"] = None
+    except CollectiveCheckError as exc:
+        out["load"] = exc.failed_ranks
+    after = opt.state_dict()
+    out["load_untouched"] = all(
+        set(after["state"][i]) == set(entry) and all(
+            torch.equal(v, after["state"][i][k]) for k, v in entry.items()
+            if isinstance(v, torch.Tensor)) for i, entry in live["state"].items())
+    # Layout errors at construction name the fix.
+    model = shard(make_model(seed=0, **MODEL_KW))
+    named = _muon_named(model)
+    try:
+        ShardedGefenMuon([{"params": named[:2], "sharded_mode": "approx"},
+                          {"params": named[2:]}], **MUON_KW)
+        out["mixed_modes"] = None
+    except ValueError as exc:
+        out["mixed_modes"] = "approx" in str(exc)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_one_rank_failure_raises_on_every_rank(outcomes):
+    results = [o["failure"] for o in outcomes]
+    for rank, r in enumerate(results):
+        for mode in ("exact", "distributed"):
+            assert r[f"{mode}_pipeline"] == ([1], True), (rank, mode, r[f"{mode}_pipeline"])
+            assert r[f"{mode}_alive"], (rank, mode)
+            assert r[f"{mode}_presence"] is True, (rank, mode)
+            assert r[f"{mode}_presence_untouched"], (rank, mode)
+        assert r["mixed_modes"] is True, rank
+        assert r["load"] == [1] and r["load_untouched"], rank
+
+
+def _hybrid_worker(rank: int, world: int, backup: str, mode: str) -> dict:
+    from gefen_core import GefenMuonHybrid
+    from gefen_dist import ShardedGefen, ShardedGefenMuon, ShardedGefenMuonHybrid, aligned_period
+
+    data = _data()
+    kw = dict(lr=3e-3, backup_optimizer=backup, sharded_mode=mode)
+    model = shard(make_model(seed=0, **MODEL_KW))
+    hyb = ShardedGefenMuonHybrid(model, **kw)
+    losses = train(model, hyb, data)
+    final = full_params(model)
+    out: dict = {
+        "children": (type(hyb.muon).__name__, type(hyb.backup).__name__),
+        "muon_is_sharded": isinstance(hyb.muon, ShardedGefenMuon),
+        "backup_is_sharded_gefen": isinstance(hyb.backup, ShardedGefen),
+    }
+    ref = make_model(seed=0, **MODEL_KW)
+    ref_hyb = GefenMuonHybrid(ref, **kw)
+    if backup == "gefen":
+        # ShardedGefen aligns each period to the shard boundaries; give the single process the
+        # same periods (as test_dist_fsdp does) so the comparison is exact.
+        search = hyb.backup.search_periods
+        for g in ref_hyb.backup.param_groups:
+            for p, n in zip(g["params"], g["param_names"]):
+                ref_hyb.backup.state[p]["period"] = aligned_period(
+                    search[n], tuple(p.shape), world)
+    ref_losses = train(ref, ref_hyb, data)
+    out["losses_equal"] = losses == ref_losses
+    out["params_differing"] = sorted(n for n, p in ref.named_parameters()
+                                     if not torch.equal(p.detach(), final[n]))
+    snap = _snapshot(model)
+    sd = copy.deepcopy(hyb.state_dict())
+    train(model, hyb, data[:1])
+    after = _snapshot(model)
+    _restore(model, snap)
+    fresh = ShardedGefenMuonHybrid(model, **kw)
+    fresh.load_state_dict(sd)
+    train(model, fresh, data[:1])
+    out["resume_matches"] = all(torch.equal(after[n], p.to_local())
+                                for n, p in model.named_parameters())
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backup", ["gefen", "adamw"])
+def test_hybrid_under_fsdp2_matches_single_process(outcomes, backup):
+    # Gefen backup with the distributed Muon half, AdamW backup with the exact one.
+    results = [o[f"hybrid_{backup}"] for o in outcomes]
+    for rank, r in enumerate(results):
+        assert r["muon_is_sharded"], (rank, r["children"])
+        assert r["backup_is_sharded_gefen"] == (backup == "gefen"), (rank, r["children"])
+        assert r["params_differing"] == [], (rank, r["params_differing"])
+        assert r["losses_equal"], rank
+        assert r["resume_matches"], rank
+
+
+def test_capabilities_point_fsdp2_users_to_the_sharded_classes():
+    from gefen_core import GefenMuon, GefenMuonHybrid
+    from gefen_dist import (
+        Layout,
+        ShardedGefenMuon,
+        ShardedGefenMuonHybrid,
+        UnsupportedCombinationError,
+        check_capabilities,
+    )
+
+    for cls in (ShardedGefenMuon, ShardedGefenMuonHybrid):
+        check_capabilities(cls, layout=Layout.FSDP2_SHARD0, transport="native")
+        with pytest.raises(UnsupportedCombinationError, match="approx state is rank-local"):
+            check_capabilities(cls, transport="dcp_reshard_exact")
+    for cls in (GefenMuon, GefenMuonHybrid):
+        with pytest.raises(UnsupportedCombinationError, match="ShardedGefenMuon"):
+            check_capabilities(cls, layout=Layout.FSDP2_SHARD0)

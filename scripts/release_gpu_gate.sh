@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The local GPU release gate: the exact built wheels, the mandatory GPU list, zero skips.
 #
-#   scripts/release_gpu_gate.sh <artifacts-dir> [--single-gpu] [--out DIR]
+#   scripts/release_gpu_gate.sh <artifacts-dir> [--single-gpu] [--parallel] [--out DIR]
 #
 # <artifacts-dir> is what `nox -s build` wrote (dist/: five wheels, five sdists, SHA256SUMS),
 # copied to the GPU machine. The gate
@@ -17,17 +17,20 @@
 #      GPU names, versions, who signed it off ($GEFEN_RELEASE_MANAGER), and prints the
 #      summary's own sha256 for the PyPI approval.
 # --single-gpu: runs everything but the two-GPU tests, reports those as not run, and the
-# verdict is "fail" (exit 3) whatever else passed. Exit 0 only when the full gate passed.
+# verdict is "fail" (exit 3) whatever else passed. --parallel: the packages' GPU suites run at
+# once (see scripts/run_gpu_tests.sh). Exit 0 only when the full gate passed.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 artifacts=""
 single=()
+parallel=()
 out=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --single-gpu) single=(--single-gpu) ;;
+    --parallel) parallel=(--parallel) ;;
     --out) out="$2"; shift ;;
     -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     -*) echo "release_gpu_gate.sh: unknown option $1" >&2; exit 2 ;;
@@ -69,7 +72,7 @@ for sdist in "$artifacts"/*.tar.gz; do
   mkdir -p "$work/tests/$dist"
   tar -xzf "$sdist" -C "$work/tests/$dist" --strip-components=1
 done
-PYTHON="$venv_python" bash "$ROOT/scripts/run_gpu_tests.sh" --installed "${single[@]}" \
+PYTHON="$venv_python" bash "$ROOT/scripts/run_gpu_tests.sh" --installed "${single[@]}" "${parallel[@]}" \
   --tests-root "$work/tests" --report-dir "$out/reports"
 rc=$?
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the mandatory GPU test list (release/gpu-test-list.txt) with zero-skip enforcement.
 #
-#   scripts/run_gpu_tests.sh [--single-gpu] [--installed] [--tests-root DIR] [--report-dir DIR]
+#   scripts/run_gpu_tests.sh [--single-gpu] [--installed] [--parallel] [--tests-root DIR]
+#                            [--report-dir DIR]
 #
 # For the accelerator machine, which has no network and no nox: it needs only python3 with
 # torch (CUDA), pytest and the packages' test dependencies. By default the packages are
@@ -14,7 +15,8 @@
 # the multi-GPU part as NOT RUN, which is a failure (exit 3) by design: a one-GPU machine can
 # dry-run the gate but never pass it. Exit: 0 all passed; 1 a test failed or skipped;
 # 2 usage or environment error; 3 single-GPU part passed, multi-GPU part not run.
-# Per-package JSON counts go to --report-dir (default: a temporary directory); what passing
+# --parallel runs the packages' suites at once (one process each, same GPUs; logs are printed
+# in list order when all are done). Per-package JSON counts go to --report-dir (default: a temporary directory); what passing
 # tests print (e.g. the DeepSpeed offload-vs-no-offload loss curves) is shown (-rP).
 set -uo pipefail
 
@@ -22,6 +24,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 single_gpu=0
 installed=0
+parallel=0
 tests_root="$ROOT/packages"
 report_dir=""
 while [[ $# -gt 0 ]]; do
@@ -30,6 +33,7 @@ while [[ $# -gt 0 ]]; do
     --installed) installed=1 ;;
     --tests-root) tests_root="$2"; shift ;;
     --report-dir) report_dir="$2"; shift ;;
+    --parallel) parallel=1 ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "run_gpu_tests.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -62,11 +66,9 @@ marker="gpu or multigpu"
 [[ $single_gpu -eq 1 ]] && marker="gpu and not multigpu"
 echo "GPU list: ${packages[*]} | marker: $marker | GPUs: $gpus | python: $PYTHON"
 
-status=0
-for pkg in "${packages[@]}"; do
-  dir="$tests_root/$pkg"
-  [[ -d "$dir/tests" ]] || { echo "missing $dir/tests" >&2; status=1; continue; }
-  extra=()
+run_package() {  # run_package <pkg>: its GPU tests; prints the log, returns pytest's status
+  local pkg="$1" dir="$tests_root/$1" extra=() start rc
+  [[ -d "$dir/tests" ]] || { echo "missing $dir/tests" >&2; return 1; }
   [[ $installed -eq 1 ]] && extra+=(--gefen-require-installed)
   echo "=== $pkg"
   start=$(date +%s)
@@ -75,8 +77,26 @@ for pkg in "${packages[@]}"; do
       -o timeout=1800 --strict-markers -p no:cacheprovider "${extra[@]}")
   rc=$?
   echo "=== $pkg: exit $rc in $(( $(date +%s) - start )) s"
-  [[ $rc -ne 0 ]] && status=1
-done
+  return $rc
+}
+
+status=0
+if [[ $parallel -eq 1 ]]; then
+  # One process per package on the same GPU(s): the tests assert results, not timings, and
+  # memory statistics are per process, so only the wall time changes.
+  for pkg in "${packages[@]}"; do
+    (run_package "$pkg" > "$report_dir/$pkg.log" 2>&1; echo $? > "$report_dir/$pkg.rc") &
+  done
+  wait
+  for pkg in "${packages[@]}"; do
+    cat "$report_dir/$pkg.log"
+    [[ "$(cat "$report_dir/$pkg.rc" 2>/dev/null)" == 0 ]] || status=1
+  done
+else
+  for pkg in "${packages[@]}"; do
+    run_package "$pkg" || status=1
+  done
+fi
 
 if [[ $single_gpu -eq 1 ]]; then
   not_run=0

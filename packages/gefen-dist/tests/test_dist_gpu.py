@@ -74,7 +74,9 @@ def test_gpu_fsdp2_nccl_world1_matches_and_resumes(tmp_path, factored):
     factored step of a single-process Gefen bit for bit when the shard is the whole matrix."""
     r = run_distributed(_gpu_worker, 1, str(tmp_path), factored, backend="cpu:gloo,cuda:nccl",
                         timeout=500, collective_timeout=240)[0]
-    assert r["paths"] == ["fused"], r["paths"]
+    # deterministic=True routes factored parameters to the reference ops on CUDA ("foreach",
+    # decision O12); everything else takes the Triton kernels.
+    assert r["paths"] == (["foreach", "fused"] if factored else ["fused"]), r["paths"]
     assert r["matches_single_process"]
     assert r["sync_resume_exact"] and r["async_resume_exact"], r
 

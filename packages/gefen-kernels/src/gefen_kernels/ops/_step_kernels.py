@@ -89,7 +89,10 @@ def _block_sigma(sumsq, v_old, period, b2, omb2, eps, bc2, bc1):
 def _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE: tl.constexpr):  # type: ignore[no-untyped-def]
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
-        g = -g
+        # Not `-g`: Triton lowers unary minus to `0 - g`, which turns -(+0.0) into +0.0 on the
+        # GPU (the interpreter and torch give -0.0); the sign of a zero reaches the Nesterov
+        # output of the Muon kernel. Multiplying by -1 is exact and keeps it.
+        g = g * -1.0
     code = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
     m = tl_momentum_ema(b1, omb1, s_old, tl.load(cb_ptr + code), g)
     return g, m

@@ -87,7 +87,7 @@ class Env:
     def __init__(self, path: Path) -> None:
         # Absolute: sessions chdir (e.g. into an unpacked sdist) and still run this python.
         self.path = path.resolve()
-        self.bin = path / ("Scripts" if os.name == "nt" else "bin")
+        self.bin = self.path / ("Scripts" if os.name == "nt" else "bin")
         self.python = str(self.bin / "python")
 
     @property

@@ -6,6 +6,11 @@ descending into dicts, lists, tuples and tensor subclasses (``__tensor_flatten__
 torchao's quantized states); count each distinct storage once by its data pointer and
 device; exclude the storages of the parameters and their gradients.  The result divided by
 the number of parameter elements is *state bytes/param*.
+
+Muon-family optimizers (``GefenMuonHybrid``; ``torch.optim.Muon`` stepped beside an AdamW)
+are also counted per *half* (:func:`state_bytes_by_half`): the Muon half over the
+Muon-routed parameters, the backup half over the rest, each measured on its own, beside the
+whole measured once, so a report can show that the halves add up to the whole.
 """
 
 from __future__ import annotations
@@ -96,14 +101,91 @@ def optimizer_numel(optimizers: Iterable[torch.optim.Optimizer]) -> int:
     return sum(seen.values())
 
 
+def _is_muon(opt: torch.optim.Optimizer) -> bool:
+    # By class name along the MRO, so gefen_core need not be importable here.
+    return any(cls.__name__ in ("Muon", "GefenMuon") for cls in type(opt).__mro__)
+
+
+def optimizer_halves(
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> dict[str, list[torch.optim.Optimizer]] | None:
+    """The Muon half and the backup half of a Muon-family optimizer list, else ``None``.
+
+    A hybrid (an optimizer with ``muon`` and ``backup`` child optimizers, as
+    ``GefenMuonHybrid``) contributes its children; a ``torch.optim.Muon`` or ``GefenMuon``
+    goes to the Muon half; any other optimizer in the list (the AdamW beside
+    ``torch.optim.Muon``) to the backup half.
+
+    Returns:
+        ``{"muon": [...], "backup": [...]}`` (either list may be empty), or ``None`` when no
+        optimizer in the list is Muon-family.
+    """
+    muon: list[torch.optim.Optimizer] = []
+    backup: list[torch.optim.Optimizer] = []
+    found = False
+    for opt in optimizers:
+        if hasattr(opt, "muon") and hasattr(opt, "backup"):
+            found = True
+            for child, half in ((opt.muon, muon), (opt.backup, backup)):
+                if isinstance(child, torch.optim.Optimizer):
+                    half.append(child)
+        elif _is_muon(opt):
+            found = True
+            muon.append(opt)
+        else:
+            backup.append(opt)
+    return {"muon": muon, "backup": backup} if found else None
+
+
+def _summary(total: int, numel: int) -> dict[str, Any]:
+    return {"state_bytes": total, "numel": numel,
+            "bytes_per_param": total / numel if numel else 0.0}
+
+
+def state_bytes_by_half(
+    optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]
+) -> dict[str, Any] | None:
+    """State of each half of a Muon-family optimizer list, and of the whole (bytes, B/param).
+
+    Each half is measured on its own with :func:`state_bytes` over the half's optimizers
+    (its bytes/param divides by the elements of the parameters that half trains); the whole
+    is measured once over ``optimizers``. Storage shared between the halves, or held by a
+    hybrid outside its children, makes ``halves_sum_bytes`` differ from the whole's
+    ``state_bytes``; ``unattributed_bytes`` is that difference (whole − sum, bytes).
+
+    Returns:
+        ``None`` when :func:`optimizer_halves` finds no Muon half; else
+        ``{"muon": S, "backup": S, "whole": S, "halves_sum_bytes": int,
+        "unattributed_bytes": int}`` where ``S = {"state_bytes": int, "numel": int,
+        "bytes_per_param": float}``.
+    """
+    halves = optimizer_halves(optimizers)
+    if halves is None:
+        return None
+    out: dict[str, Any] = {}
+    for label in ("muon", "backup"):
+        opts = halves[label]
+        total = state_bytes(opts, params) if opts else 0
+        out[label] = _summary(total, optimizer_numel(opts))
+    whole = _summary(state_bytes(optimizers, params),
+                     optimizer_numel(optimizers) or sum(p.numel() for p in params))
+    out["whole"] = whole
+    out["halves_sum_bytes"] = out["muon"]["state_bytes"] + out["backup"]["state_bytes"]
+    out["unattributed_bytes"] = whole["state_bytes"] - out["halves_sum_bytes"]
+    return out
+
+
 def state_bytes_per_param(
     optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]
-) -> dict[str, float | int]:
-    """``{"state_bytes": int, "numel": int, "bytes_per_param": float}`` for ``optimizers``."""
+) -> dict[str, Any]:
+    """``{"state_bytes": int, "numel": int, "bytes_per_param": float}`` for ``optimizers``.
+
+    For a Muon-family list the dict also holds ``"halves"``: :func:`state_bytes_by_half`.
+    """
     total = state_bytes(optimizers, params)
     numel = optimizer_numel(optimizers) or sum(p.numel() for p in params)
-    return {
-        "state_bytes": total,
-        "numel": numel,
-        "bytes_per_param": total / numel if numel else 0.0,
-    }
+    out = _summary(total, numel)
+    halves = state_bytes_by_half(optimizers, params)
+    if halves is not None:
+        out["halves"] = halves
+    return out

@@ -17,6 +17,13 @@ storages reachable from the optimizer, :mod:`.state_bytes`); alloc-delta B/param
 allocating the state); eff GB/s = the optimizer's minimal bytes/param (registry) × params /
 median step; % of the device-to-device copy bandwidth measured in the same run. Each row
 records its ``timer`` (``"cuda-events"`` on CUDA, ``"host-wall"`` otherwise).
+
+Muon-family rows (``GefenMuonHybrid``, ``torch.optim.Muon`` + AdamW) also carry
+``state_halves`` (:func:`~gefen_bench.state_bytes.state_bytes_by_half`): the Muon half's state
+over the Muon-routed parameters, the backup half's over the rest, and the whole, in bytes and
+bytes/param, printed as a second table. Both are routed by ALGORITHM.md §5.2 (the bench's
+``split_for_muon`` for torch Muon, the hybrid's own ``split_params_for_muon``), so on the
+same parameter set the halves cover the same tensors.
 """
 
 from __future__ import annotations
@@ -180,6 +187,8 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
         "host_issue_ms_median": _median(hosts) * 1e3,
         "first_step_ms": first_s * 1e3,
         "state_bytes_per_param": state["bytes_per_param"],
+        "state_bytes": state["state_bytes"],
+        "state_halves": state.get("halves"),
         "alloc_delta_bytes_per_param": None if base is None or after is None
         else (after - base) / n,
         "peak_extra_mib": None if steady_peaks[0] is None
@@ -222,6 +231,26 @@ def run_step_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]) ->
         emit({"event": "progress", "label": name, "done": len(rows),
               "total": len(job["models"])})
     return {"rows": rows, "external_version": job.get("external_version")}
+
+
+_HALF_COLUMNS = ["optimizer", "model", "Muon half params", "Muon half B/param",
+                 "backup half params", "backup half B/param", "whole B/param",
+                 "Muon + backup bytes", "whole bytes", "unattributed bytes"]
+
+
+def _halves_table(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """One line per Muon-family row: each half's size and state, and the whole's (§5)."""
+    table = []
+    for r in sorted(rows, key=lambda r: r["model"]):
+        h = r.get("state_halves")
+        if not h:
+            continue
+        table.append([r["optimizer"], r["model"], h["muon"]["numel"],
+                      h["muon"]["bytes_per_param"], h["backup"]["numel"],
+                      h["backup"]["bytes_per_param"], h["whole"]["bytes_per_param"],
+                      h["halves_sum_bytes"], h["whole"]["state_bytes"],
+                      h["unattributed_bytes"]])
+    return table
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -289,6 +318,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               r["eff_gb_per_s"], r["pct_copy_bw"]] for r in sorted(rows, key=lambda r: r["model"])]
     print_table(f"gefen-bench step · {device} · {args.dtype} · {args.scale} shapes · "
                 f"{args.steps} timed steps", columns, table)
+    halves = _halves_table(rows)
+    if halves:
+        print_table("state by half (Muon half over Muon-routed params, backup half over the "
+                    "rest; whole measured once)", _HALF_COLUMNS, halves)
     report = {"device": str(device), "dtype": args.dtype, "scale": args.scale,
               "models": models, "steps": args.steps, "warmup": args.warmup,
               "copy_bandwidth": bandwidth, "rows": rows, "skipped": skipped, "failed": failed,

@@ -8,7 +8,8 @@
 #             Gefen (factored default and block), AdamW fused/foreach, torch Muon + AdamW, both
 #             GefenMuonHybrids, and the published gefen-x 0.5.0 / gefen 1.2.3 from wheels
 #   train     gefen-bench train --preset h200-small with the peers brought as wheels
-#             (STEPS, JOBS: environment overrides of the step count and parallel runs)
+# Environment overrides: STEP_MODELS, STEP_OPTIMIZERS, STEP_TIMEOUT; TRAIN_STEPS, TRAIN_JOBS
+# (parallel runs on the one GPU: throughput is then shared), TRAIN_TIMEOUT.
 #   resume    gefen-bench resume on CUDA, bf16, fused kernels, the three recipes
 #   megatron  the Megatron-Core GPT smoke (three recipes, checkpoint continuation)
 #   savepeak  DCP save peak with and without GefenSavePlanner (32 tensors, CUDA)
@@ -52,20 +53,22 @@ run() {  # run <job> <timeout-s> <command...>: log to <out>/<job>/<job>.log, rep
 for job in "$@"; do
   case "$job" in
     step)
-      run step 420 "$PY" -m gefen_bench.cli step --models gpt2,llama \
-        --optimizers gefen,gefen-blockv,adamw-fused,adamw-foreach,muon,gefen-muon-hybrid,gefen-muon-hybrid-adamw,gefenx-0.5,gefen-1.2 \
+      run step "${STEP_TIMEOUT:-420}" "$PY" -m gefen_bench.cli step \
+        --models "${STEP_MODELS:-gpt2,llama}" \
+        --optimizers "${STEP_OPTIMIZERS:-gefen,gefen-blockv,adamw-fused,adamw-foreach,muon,gefen-muon-hybrid,gefen-muon-hybrid-adamw,gefenx-0.5,gefen-1.2}" \
         "${targets[@]}" --steps 50 --timeout 200 --out "$out/step" ;;
     train)
-      run train 560 "$PY" -m gefen_bench.cli train --preset h200-small --tasks lm \
-        --steps "${STEPS:-300}" --jobs "${JOBS:-3}" --timeout 400 "${targets[@]}" \
+      run train "${TRAIN_TIMEOUT:-560}" "$PY" -m gefen_bench.cli train --preset h200-small \
+        --tasks lm --steps "${TRAIN_STEPS:-300}" --jobs "${TRAIN_JOBS:-3}" --timeout 400 \
+        "${targets[@]}" \
         --optimizers gefen,adamw,adafactor,muon,gefen-muon-hybrid-adamw,gefen-muon-hybrid,torchao-adamw8bit,torchao-adamw4bit,bnb-adamw8bit,gefenx-0.5 \
         --out "$out/train" ;;
     resume)
-      run resume 300 "$PY" -m gefen_bench.cli resume --device cuda --bf16 --out "$out/resume/resume.json" ;;
+      run resume "${RESUME_TIMEOUT:-300}" "$PY" -m gefen_bench.cli resume --device cuda --bf16 --out "$out/resume/resume.json" ;;
     megatron)
-      run megatron 300 "$PY" scripts/megatron_gpt_smoke.py --out "$out/megatron" ;;
+      run megatron "${MEGATRON_TIMEOUT:-300}" "$PY" scripts/megatron_gpt_smoke.py --out "$out/megatron" ;;
     savepeak)
-      run savepeak 300 "$PY" packages/gefen-dist/benchmarks/dcp_save_peak.py --device cuda --tensors 32 ;;
+      run savepeak "${SAVEPEAK_TIMEOUT:-300}" "$PY" packages/gefen-dist/benchmarks/dcp_save_peak.py --device cuda --tensors 32 ;;
     *) echo "gpu_results.sh: unknown job $job" >&2; exit 2 ;;
   esac
 done

@@ -99,6 +99,12 @@ def test_train_tiny_writes_json_and_png_and_skips_missing_peers(
     digits = report["results"]["digits"]["adamw"]
     assert len(digits["runs"]) == len(report["tasks"]["digits"]["config"]["seeds"])
     assert 0.0 <= digits["accuracy_mean"] <= 1.0
+    mlp = report["results"]["digits-mlp"]["adamw"]
+    assert mlp["task"] == "digits-mlp" and mlp["model"] == "mlp"
+    assert len(mlp["runs"]) == len(report["tasks"]["digits-mlp"]["config"]["seeds"])
+    assert math.isfinite(mlp["final_eval_loss_mean"])
+    assert "digits MLP (held-out split)" in out
+    assert (tmp_path / "digits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report["meta"]["command"].startswith("gefen-bench train")
     assert report["meta"]["versions"]["torch"]
 

@@ -107,3 +107,92 @@ def test_worker_failure_is_reported_verbatim() -> None:
     assert out.status == "failed"
     assert out.error == ("ValueError: unknown job kind 'nonsense'; expected lm, digits, arch "
                          "or step")
+
+
+def test_digits_mlp_shapes_and_size() -> None:
+    from gefen_bench.presets import DigitsConfig
+    from gefen_bench.train_digits import DigitsMLP, build_digits_model
+
+    cfg = DigitsConfig(model="mlp", hidden=24)
+    model = build_digits_model(cfg)
+    assert isinstance(model, DigitsMLP)
+    assert model(torch.zeros(5, 1, 8, 8)).shape == (5, 10)
+    # 64 -> 24 -> 24 -> 10, weights and biases.
+    assert sum(p.numel() for p in model.parameters()) == (64 * 24 + 24) + (24 * 24 + 24) + (
+        24 * 10 + 10)
+    # The head keeps the name that routes it away from Muon (ALGORITHM.md §5.2).
+    muon, rest = registry.split_for_muon(list(model.named_parameters()), model)
+    assert {n for n, _ in rest} >= {"classifier.weight", "classifier.bias"}
+    assert len(muon) == 2
+    with pytest.raises(ValueError, match="DigitsConfig.model must be one of cnn, mlp"):
+        build_digits_model(DigitsConfig(model="resnet"))
+
+
+def test_digits_job_is_deterministic_and_reports_curves() -> None:
+    from gefen_bench.presets import DigitsConfig, as_dict
+    from gefen_bench.train_digits import run_digits_job
+
+    cfg = DigitsConfig(model="mlp", hidden=16, epochs=2, batch=256, seeds=(0,))
+    job = {"optimizer": "adamw", "lr": 3e-3, "config": as_dict(cfg), "device": "cpu",
+           "task": "digits-mlp", "eval_split": "val"}
+    a = run_digits_job(job, lambda event: None)
+    b = run_digits_job(job, lambda event: None)
+    assert a["task"] == "digits-mlp" and a["model"] == "mlp"
+    # 1797 digits: 60% train (1077) in batches of 256 -> 5 steps an epoch.
+    assert a["steps"] == 2 * 5 and a["eval_examples"] == 270
+    curve = a["runs"][0]["eval_curve"]
+    assert [row[0] for row in curve] == [1, 2] and all(len(row) == 4 for row in curve)
+    assert curve[-1][3] < curve[0][3]  # the training loss falls
+    assert a["runs"][0]["eval_curve"] == b["runs"][0]["eval_curve"]
+    c = run_digits_job({**job, "lr": 1e-2}, lambda event: None)
+    assert c["runs"][0]["eval_curve"] != a["runs"][0]["eval_curve"]
+
+
+def _digits_result(loss: float, accuracy: float) -> dict[str, object]:
+    return {"final_eval_loss_mean": loss, "accuracy_mean": accuracy}
+
+
+def test_digits_mlp_verdict_is_the_two_percent_loss_bar() -> None:
+    from gefen_bench.train import _verdicts
+
+    results = {"digits-mlp": {"adamw": _digits_result(0.100, 0.97),
+                              "gefen": _digits_result(0.1019, 0.968),
+                              "gefen-blockv": _digits_result(0.1021, 0.975),
+                              "muon": _digits_result(0.5, 0.5)}}
+    verdicts = {v["optimizer"]: v for v in _verdicts(results)}
+    assert set(verdicts) == {"gefen", "gefen-blockv"}  # Gefen variants only, against AdamW
+    assert verdicts["gefen"]["pass"] is True
+    assert verdicts["gefen"]["held_out_loss_vs_adamw"] == pytest.approx(0.019)
+    assert verdicts["gefen"]["accuracy_vs_adamw"] == pytest.approx(-0.002)
+    assert verdicts["gefen-blockv"]["pass"] is False
+    assert verdicts["gefen-blockv"]["held_out_loss_vs_adamw"] == pytest.approx(0.021)
+    assert _verdicts({"digits-mlp": {"gefen": _digits_result(0.1, 0.9)}}) == []
+
+
+def test_presets_without_a_digits_task_refuse_it() -> None:
+    from gefen_bench import cli
+
+    parser, _, _ = cli.build_parser()
+    from gefen_bench.train import _check_args
+
+    args = parser.parse_args(["train", "--preset", "h200-1b", "--tasks", "digits-mlp"])
+    with pytest.raises(argparse.ArgumentTypeError, match="h200-1b has no digits-mlp task"):
+        _check_args(args)
+    _, tasks, _, _ = _check_args(parser.parse_args(["train", "--preset", "h200-1b"]))
+    assert tasks == ["lm"]
+    _, tasks, _, _ = _check_args(parser.parse_args(["train"]))
+    assert tasks == ["lm", "digits", "digits-mlp"]
+
+
+def test_digits_splits_file_round_trip(tmp_path) -> None:
+    from gefen_bench.data import digits_splits, load_digits_splits, save_digits_splits
+
+    direct = digits_splits()
+    loaded = load_digits_splits(save_digits_splits(tmp_path / "d.pt"))
+    for name in ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test"):
+        assert torch.equal(getattr(direct, name), getattr(loaded, name)), name
+    # 1797 images, stratified 60 / 15 / 25 (scikit-learn rounds the test share up).
+    assert (len(loaded.y_train), len(loaded.y_val), len(loaded.y_test)) == (1077, 270, 450)
+    torch.save({"x_train": torch.zeros(1)}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="does not hold digits splits"):
+        load_digits_splits(tmp_path / "bad.pt")

@@ -5,7 +5,9 @@
   validation and held-out (test) streams with a hash of each file's path relative to the
   standard-library root, so the split does not depend on the machine or on file order.
 * :func:`digits_splits` — scikit-learn's bundled ``load_digits()`` (1797 handwritten 8x8
-  digits), split into stratified train / validation / held-out sets with a fixed seed.
+  digits), split into stratified train / validation / held-out sets with a fixed seed;
+  :func:`save_digits_splits` / :func:`load_digits_splits` hand them to worker processes
+  through a file, so that each worker is spared importing scikit-learn (~1 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -173,3 +175,24 @@ def digits_splits(split_seed: int = 0) -> DigitsSplits:
     return DigitsSplits(
         x[t(train)], y[t(train)], x[t(val)], y[t(val)], x[t(test)], y[t(test)]
     )
+
+
+def save_digits_splits(path: Path, split_seed: int = 0) -> Path:
+    """Write :func:`digits_splits` to ``path`` (``torch.save`` of a dict of tensors, ~0.5 MB)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(asdict(digits_splits(split_seed)), path)
+    return path
+
+
+def load_digits_splits(path: Path) -> DigitsSplits:
+    """The splits :func:`save_digits_splits` wrote (tensors only: ``weights_only=True``).
+
+    Raises:
+        ValueError: the file does not hold exactly the :class:`DigitsSplits` fields.
+    """
+    loaded = torch.load(path, weights_only=True)
+    expected = {f.name for f in fields(DigitsSplits)}
+    if not isinstance(loaded, dict) or set(loaded) != expected:
+        raise ValueError(f"{path} does not hold digits splits (expected the keys "
+                         f"{sorted(expected)}); write it with save_digits_splits()")
+    return DigitsSplits(**loaded)

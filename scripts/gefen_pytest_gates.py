@@ -7,7 +7,8 @@ Load it with ``-p gefen_pytest_gates`` (``scripts/`` on ``PYTHONPATH``). Options
     turns the run into a failure (exit status 1). The GPU sessions use it: on an accelerator
     machine, a GPU test that cannot run is a failure, not a skip.
 ``--gefen-require-installed``
-    Fail unless every imported ``gefen*`` module was loaded from site-packages (not from a
+    Fail unless every imported distribution package (``gefen``, ``gefen_kernels``,
+    ``gefen_core``, ``gefen_dist``, ``gefen_bench``) was loaded from site-packages (not from a
     source tree): ``nox -s release_check`` runs the suites against the installed wheels.
 ``--gefen-summary PATH``
     Write ``{"passed", "failed", "skipped", "xfailed", "errors", "deselected",
@@ -25,6 +26,9 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+
+_DISTRIBUTION_PACKAGES = frozenset(
+    {"gefen", "gefen_kernels", "gefen_core", "gefen_dist", "gefen_bench"})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -83,8 +87,9 @@ class _Gate:
         if opt("gefen_require_installed"):
             site = Path(sysconfig.get_paths()["purelib"]).resolve()
             for name, module in sorted(sys.modules.items()):
-                top = name.split(".")[0]
-                if not top.startswith("gefen") or "." in name or module is None:
+                # The distributions' import packages; this plugin (gefen_pytest_gates) and
+                # test helpers are loaded from the checkout on purpose.
+                if name not in _DISTRIBUTION_PACKAGES or module is None:
                     continue
                 origin = getattr(module, "__file__", None)
                 if origin is None or site not in Path(origin).resolve().parents:

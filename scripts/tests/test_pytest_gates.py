@@ -89,16 +89,19 @@ def test_no_tests_is_not_success(tmp_path: Path) -> None:
 
 
 def test_require_installed_rejects_source_tree(tmp_path: Path) -> None:
-    pkg = tmp_path / "src" / "gefen_fake_pkg"
+    # A source-tree copy of one of the distributions' packages shadows the installed one.
+    pkg = tmp_path / "src" / "gefen_core"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     source = (
-        f"import sys\nsys.path.insert(0, {str(tmp_path / 'src')!r})\nimport gefen_fake_pkg\n\n"
+        f"import sys\nsys.path.insert(0, {str(tmp_path / 'src')!r})\nimport gefen_core\n\n"
         "def test_x():\n    pass\n"
     )
     out = _run(tmp_path, source, "--gefen-require-installed")
     assert out.returncode == 1, out.stdout
-    assert "gefen_fake_pkg was imported from" in out.stdout
+    assert "gefen_core was imported from" in out.stdout
+    # The plugin itself (gefen_pytest_gates, from scripts/) is not a distribution package.
+    assert "gefen_pytest_gates was imported" not in out.stdout
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script")

@@ -119,18 +119,21 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @functools.cache
-def gloo_avg_sums() -> bool:
-    """Whether this process group's ``reduce_scatter_tensor(op=AVG)`` returns the *sum*.
+def gloo_avg_sums(device: str = "cpu") -> bool:
+    """Whether this process group's ``reduce_scatter_tensor(op=AVG)`` returns the *sum* for
+    tensors on ``device``.
 
     torch 2.7's gloo backend does (measured: FSDP2 gradients come out ``world`` times the
-    single-process gradient), so FSDP2 there does not average over ranks. Collective: every
-    rank calls it, the first time ``train`` sees an FSDP2 model.
+    single-process gradient), so FSDP2 there does not average over ranks. The probe runs on the
+    model's device because a ``"cpu:gloo,cuda:nccl"`` group reduces CUDA gradients with NCCL,
+    which averages. Collective: every rank calls it, the first time ``train`` sees an FSDP2
+    model.
     """
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    out = torch.empty(1)
-    dist.reduce_scatter_tensor(out, torch.ones(world), op=dist.ReduceOp.AVG)
+    out = torch.empty(1, device=device)
+    dist.reduce_scatter_tensor(out, torch.ones(world, device=device), op=dist.ReduceOp.AVG)
     return float(out) == float(world)
 
 
@@ -140,7 +143,8 @@ def train(model: nn.Module, opt, data, closure_style: bool = False) -> list[floa
     documented averaging exactly (the tests use power-of-two world sizes)."""
     from torch.distributed.fsdp import FSDPModule
 
-    fix = isinstance(model, FSDPModule) and gloo_avg_sums()
+    fix = isinstance(model, FSDPModule) and gloo_avg_sums(
+        next(model.parameters()).device.type)
     losses = []
     for x, y in data:
         opt.zero_grad(set_to_none=True)

@@ -38,15 +38,20 @@ K, J = 3, 2
 LR = 3e-3
 
 
-def _data(kw):
-    return batches(K + J, batch=2, seq=kw.get("seq", 16), seed=11)
+def _data(kw, device: str = "cpu"):
+    return [(x.to(device), y.to(device))
+            for x, y in batches(K + J, batch=2, seq=kw.get("seq", 16), seed=11)]
 
 
-def _setup(world: int, kw: dict, opt_kw: dict):
+def _setup(world: int, kw: dict, opt_kw: dict, device: str = "cpu"):
     from gefen_core import Gefen
     from gefen_dist import ShardedGefen
 
-    model = make_model(seed=0, **kw)
+    if device == "cuda":
+        # A bit-identical continuation needs a step that is a function of its inputs (the
+        # fused CUDA kernels use float atomics otherwise).
+        opt_kw = {**opt_kw, "deterministic": True}
+    model = make_model(seed=0, **kw).to(device)
     if world > 1 or dist.is_initialized():
         model = shard(model)
         opt = ShardedGefen(model.named_parameters(), lr=LR, factored_v_2d=False, **opt_kw)
@@ -66,17 +71,18 @@ def _dense_state(model, opt) -> dict:
         st = opt.state.get(p, {})
         local = p.to_local() if isinstance(p, DTensor) else p
         if "exp_avg_codes" in st and local.numel():
-            m = (cb[st["exp_avg_codes"].long()] * st["exp_avg_scale"]).reshape(local.shape)
+            m = (cb.to(local.device)[st["exp_avg_codes"].long()]
+                 * st["exp_avg_scale"]).reshape(local.shape)
             v = st["exp_avg_sq"].expand(-1, st["period"]).reshape(local.shape)
         else:
-            m = torch.zeros(local.shape)
-            v = torch.zeros(local.shape)
+            m = torch.zeros(local.shape, device=local.device)
+            v = torch.zeros(local.shape, device=local.device)
         if isinstance(p, DTensor):
             m = DTensor.from_local(m.contiguous(), p.device_mesh, p.placements, shape=p.shape,
                                    stride=p.stride()).full_tensor()
             v = DTensor.from_local(v.contiguous(), p.device_mesh, p.placements, shape=p.shape,
                                    stride=p.stride()).full_tensor()
-        out[name] = (m.clone(), v.clone(), _periods_of(model, opt).get(name))
+        out[name] = (m.cpu().clone(), v.cpu().clone(), _periods_of(model, opt).get(name))
     return out
 
 
@@ -118,9 +124,12 @@ def _load(model, opt, path: str) -> None:
     model.load_state_dict(sd["model"])
 
 
-def _scenario(rank: int, world: int, tmp: str, jobs: list) -> dict:
+def _scenario(rank: int, world: int, tmp: str, jobs: list, device: str = "cpu") -> dict:
     """Runs the listed jobs in order: ("train_save", tag) trains K steps, saves, continues J;
-    ("resume", tag) loads tag's checkpoint and continues J steps."""
+    ("resume", tag) loads tag's checkpoint and continues J steps. ``device="cuda"``: one GPU
+    per rank; the returned tensors are on the CPU."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     out = {}
     for kind, tag, kw_name in jobs:
         if kind == "factored":
@@ -128,8 +137,8 @@ def _scenario(rank: int, world: int, tmp: str, jobs: list) -> dict:
             continue
         kw = ALIGNED_KW if kw_name == "aligned" else {}
         opt_kw = ALIGNED_OPT_KW if kw_name == "aligned" else {}
-        data = _data(kw)
-        model, opt = _setup(world, kw, opt_kw)
+        data = _data(kw, device)
+        model, opt = _setup(world, kw, opt_kw, device)
         path = os.path.join(tmp, f"{tag}-{kw_name}")
         if kind == "train_save":
             train(model, opt, data[:K])

@@ -13,15 +13,24 @@ from gefen_dist.testing import run_distributed
 STEPS = 4
 
 
-def _ddp_worker(rank: int, world: int) -> dict:
+def _ddp_worker(rank: int, world: int, device: str = "cpu") -> dict:
+    """``device="cuda"``: one GPU per rank (NCCL group), and ``deterministic=True`` because
+    replica identity needs every rank's optimizer step to be a function of its inputs only
+    (the fused CUDA kernels use float atomics otherwise, §1.15)."""
     from gefen_core import Gefen
 
-    model = DDP(make_model(seed=0))
-    opt = Gefen(model.module.named_parameters(), lr=3e-3)
+    opt_kw: dict = {}
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        opt_kw["deterministic"] = True
+    model = make_model(seed=0).to(device)
+    model = DDP(model, device_ids=[rank]) if device == "cuda" else DDP(model)
+    opt = Gefen(model.module.named_parameters(), lr=3e-3, **opt_kw)
     # Each rank sees different data; DDP averages the gradients.
     data = batches(STEPS, batch=4, seq=16, seed=100 + rank)
     losses = []
     for x, y in data:
+        x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=True)
         loss = lm_loss(model, x, y)
         loss.backward()
@@ -37,7 +46,7 @@ def _ddp_worker(rank: int, world: int) -> dict:
                 tensors.append(v.detach().clone().reshape(-1).view(torch.uint8)
                                if v.dtype != torch.uint8 else v.reshape(-1))
             else:
-                tensors.append(torch.tensor([int(v)]))
+                tensors.append(torch.tensor([int(v)], device=device))
     tensors.append(sd["gefen_meta"]["codebook"].clone())
     differs = []
     for j, t in enumerate(tensors):

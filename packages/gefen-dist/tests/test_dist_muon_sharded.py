@@ -36,17 +36,22 @@ def _muon_named(model) -> list:
             if p.ndim == 2 and "embed" not in n and "head" not in n]
 
 
-def _data():
-    return batches(STEPS, batch=4, seq=12, seed=5)
+def _data(device: str = "cpu"):
+    return [(x.to(device), y.to(device)) for x, y in batches(STEPS, batch=4, seq=12, seed=5)]
 
 
-def _reference():
-    """Single-process GefenMuon on the same global model and data."""
+def _muon_kw(device: str = "cpu") -> dict:
+    # CUDA: fixed-order reductions, so two runs on equal inputs are bit-identical (§1.15).
+    return {**MUON_KW, "deterministic": True} if device == "cuda" else MUON_KW
+
+
+def _reference(device: str = "cpu"):
+    """Single-process GefenMuon on the same global model and data (on ``device``)."""
     from gefen_core import GefenMuon
 
-    ref = make_model(seed=0, **MODEL_KW)
-    opt = GefenMuon(_muon_named(ref), **MUON_KW)
-    losses = train(ref, opt, _data())
+    ref = make_model(seed=0, **MODEL_KW).to(device)
+    opt = GefenMuon(_muon_named(ref), **_muon_kw(device))
+    losses = train(ref, opt, _data(device))
     state = {n: dict(opt.state[p]) for n, p in _muon_named(ref)}
     return losses, full_params(ref), opt._codebook.clone(), state
 
@@ -81,22 +86,27 @@ def _resume_matches(model, opt, make_opt, data) -> bool:
     return all(torch.equal(after[n], p.to_local()) for n, p in model.named_parameters())
 
 
-def _modes_worker(rank: int, world: int) -> dict:
+def _modes_worker(rank: int, world: int, device: str = "cpu") -> dict:
+    """``device="cuda"``: one GPU per rank; the single-process reference runs on this rank's
+    GPU, so both sides use the same kernels on the same device type."""
     from gefen_dist import ShardedGefenMuon
 
-    ref_losses, ref_params, ref_codebook, ref_state = _reference()
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    muon_kw = _muon_kw(device)
+    ref_losses, ref_params, ref_codebook, ref_state = _reference(device)
     muon_names = [n for n, _ in _muon_named(make_model(seed=0, **MODEL_KW))]
     init = full_params(make_model(seed=0, **MODEL_KW))
     out: dict = {"muon_names": muon_names}
     for mode in ("exact", "distributed", "approx"):
-        model = shard(make_model(seed=0, **MODEL_KW))
+        model = shard(make_model(seed=0, **MODEL_KW).to(device))
         named = _muon_named(model)
 
         def make_opt(named=named, mode=mode):
-            return ShardedGefenMuon(named, sharded_mode=mode, **MUON_KW)
+            return ShardedGefenMuon(named, sharded_mode=mode, **muon_kw)
 
         opt = make_opt()
-        losses = train(model, opt, _data())
+        losses = train(model, opt, _data(device))
         final = full_params(model)
         r: dict = {
             "local_rows": {n: p.to_local().shape[0] for n, p in named},
@@ -111,7 +121,8 @@ def _modes_worker(rank: int, world: int) -> dict:
                       / (ref_params[n] - init[n]).norm().clamp_min(1e-30)) for n in muon_names),
             "max_rel_loss_gap": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "codebook_equal_ref": torch.equal(opt._codebook, ref_codebook),
-            "codebook_same_on_ranks": len(set(_gathered(opt._codebook.numpy().tobytes()))) == 1,
+            "codebook_same_on_ranks": len(set(_gathered(
+                opt._codebook.cpu().numpy().tobytes()))) == 1,
         }
         holders = sorted(n for n, p in named if "exp_avg_codes" in opt.state.get(p, {}))
         r["momentum_holders"] = holders
@@ -125,22 +136,24 @@ def _modes_worker(rank: int, world: int) -> dict:
         sd = opt.state_dict()  # collective in distributed mode: complete on every rank
         by_name = dict(zip(muon_names, range(len(muon_names))))
         r["sd_complete_and_equal_ref"] = mode != "approx" and all(
+            # Entries broadcast from another owner arrive on the CPU (state_dict's contract).
             by_name[n] in sd["state"] and torch.equal(
-                sd["state"][by_name[n]]["exp_avg_codes"], ref_state[n]["exp_avg_codes"])
+                sd["state"][by_name[n]]["exp_avg_codes"].cpu(),
+                ref_state[n]["exp_avg_codes"].cpu())
             for n in muon_names)
         if mode != "approx":
             # The full state loads on another world size: here one process, plain tensors.
             from gefen_core import GefenMuon
 
-            plain = make_model(seed=0, **MODEL_KW)
-            single = GefenMuon(_muon_named(plain), **MUON_KW)
+            plain = make_model(seed=0, **MODEL_KW).to(device)
+            single = GefenMuon(_muon_named(plain), **muon_kw)
             single.load_state_dict(copy.deepcopy(sd))
             r["loads_single_process"] = all(
                 torch.equal(single.state[p]["exp_avg_codes"], ref_state[n]["exp_avg_codes"])
                 and torch.equal(single.state[p]["normuon_exp_avg_sq"],
                                 ref_state[n]["normuon_exp_avg_sq"])
                 for n, p in _muon_named(plain))
-        r["resume_matches"] = _resume_matches(model, opt, make_opt, _data()[:1])
+        r["resume_matches"] = _resume_matches(model, opt, make_opt, _data(device)[:1])
         out[mode] = r
     return out
 
@@ -160,7 +173,12 @@ def outcomes() -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_sharded_modes_against_single_process(outcomes):
-    results = [o["modes"] for o in outcomes]
+    check_modes([o["modes"] for o in outcomes])
+
+
+def check_modes(results: list[dict]) -> None:
+    """The assertions on :func:`_modes_worker`'s two ranks (shared with the NCCL variant in
+    test_multigpu.py)."""
     names = results[0]["muon_names"]
     # The layout the test relies on: an uneven and an empty shard.
     assert [r["exact"]["local_rows"]["pos"] for r in results] == [8, 7]

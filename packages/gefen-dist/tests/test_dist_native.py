@@ -30,11 +30,14 @@ K, J = 3, 2
 LR = 3e-3
 
 
-def _fresh():
+def _fresh(device: str = "cpu"):
+    """``device="cuda"`` adds ``deterministic=True``: a bit-identical continuation needs a step
+    that is a function of its inputs (the fused CUDA kernels use float atomics otherwise)."""
     from gefen_dist import ShardedGefen
 
-    model = shard(make_model(seed=0))
-    return model, ShardedGefen(model.named_parameters(), lr=LR, factored_v_2d=False)
+    opt_kw = {"deterministic": True} if device == "cuda" else {}
+    model = shard(make_model(seed=0).to(device))
+    return model, ShardedGefen(model.named_parameters(), lr=LR, factored_v_2d=False, **opt_kw)
 
 
 def _local_state(opt) -> dict:
@@ -73,12 +76,15 @@ def _catch(fn) -> str | None:
     return None
 
 
-def _native_worker(rank: int, world: int, tmp: str) -> dict:
+def _native_worker(rank: int, world: int, tmp: str, device: str = "cpu") -> dict:
+    """``device="cuda"``: one GPU per rank (``torch.cuda.set_device(rank)``)."""
     from gefen_dist import GefenDCPState
 
-    data = batches(K + J, batch=2, seq=16, seed=21)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    data = [(x.to(device), y.to(device)) for x, y in batches(K + J, batch=2, seq=16, seed=21)]
     out: dict = {}
-    model, opt = _fresh()
+    model, opt = _fresh(device)
     train(model, opt, data[:K])
     # Copies, as torch.save would make: state dicts hold live tensors by reference.
     full = copy.deepcopy(
@@ -90,11 +96,11 @@ def _native_worker(rank: int, world: int, tmp: str) -> dict:
     reference = full_params(model)
 
     # (a) full state -> fresh optimizer -> identical continuation.
-    model2, opt2 = _fresh()
+    model2, opt2 = _fresh(device)
     set_optimizer_state_dict(model2, opt2, full,
                              options=StateDictOptions(full_state_dict=True))
     out["full_state_restored"] = _diff(snapshot, _local_state(opt2))
-    model2.load_state_dict(_model_at_k(data))
+    model2.load_state_dict(_model_at_k(data, device))
     train(model2, opt2, data[K:])
     out["full_state_continuation_exact"] = all(
         torch.equal(t, reference[n]) for n, t in full_params(model2).items())
@@ -124,7 +130,7 @@ def _native_worker(rank: int, world: int, tmp: str) -> dict:
     # Sharded DCP files into a fresh optimizer: torch initialises it with a zero-gradient step,
     # whose periods shape the destinations. Where they differ from the saved ones the load
     # fails loudly (never a silent mix); where they match it restores exactly.
-    model3, opt3 = _fresh()
+    model3, opt3 = _fresh(device)
     osd3 = get_optimizer_state_dict(model3, opt3)
     dcp.save({"optim": sharded}, checkpoint_id=os.path.join(tmp, "sharded"))
 
@@ -138,9 +144,9 @@ def _native_worker(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-def _model_at_k(data):
+def _model_at_k(data, device: str = "cpu"):
     """The model weights after K steps, replayed (the model is not the optimizer's concern)."""
-    model, opt = _fresh()
+    model, opt = _fresh(device)
     train(model, opt, data[:K])
     return model.state_dict()
 
@@ -149,6 +155,12 @@ def _model_at_k(data):
 def test_native_checkpoints_and_one_rank_failures(tmp_path):
     results = run_distributed(_native_worker, 2, str(tmp_path), timeout=360,
                               collective_timeout=120)
+    check_native(results)
+
+
+def check_native(results: list[dict]) -> None:
+    """The assertions on :func:`_native_worker`'s two ranks (shared with the NCCL variant in
+    test_multigpu.py)."""
     for rank, r in enumerate(results):
         assert r["full_state_restored"] == [], (rank, r["full_state_restored"])
         assert r["full_state_continuation_exact"], rank

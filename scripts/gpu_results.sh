@@ -34,9 +34,11 @@ trap 'rm -rf "$peers"' EXIT
 # The published packages both import as `gefen`: each lives in its own --target directory.
 "$PY" -m pip install --quiet --no-index --no-deps --target "$peers/gx" "$wheels"/gefen_x-0.5.0-*.whl
 "$PY" -m pip install --quiet --no-index --no-deps --target "$peers/g12" "$wheels"/gefen-1.2.3-*.whl
-"$PY" -m pip install --quiet --no-index --no-deps "$wheels"/torchao-*.whl "$wheels"/bitsandbytes-*.whl
-"$PY" -m pip install --quiet --no-index --find-links "$wheels/ds" deepspeed
-"$PY" -m pip install --quiet --no-index --no-deps "$wheels"/ds/megatron_core-*.whl
+# Peers and engines go to a private --target directory too, not the interpreter's
+# site-packages, so anything else running on the machine (e.g. the release gate) is unaffected.
+"$PY" -m pip install --quiet --no-index --no-deps --target "$peers/site" \
+  "$wheels"/torchao-*.whl "$wheels"/bitsandbytes-*.whl "$wheels"/ds/*.whl
+PYTHONPATH="$PYTHONPATH:$peers/site"
 targets=(--target "gefen-x=$peers/gx" --target "gefen=$peers/g12")
 
 run() {  # run <job> <timeout-s> <command...>: log to <out>/<job>/<job>.log, report the status

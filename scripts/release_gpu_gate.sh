@@ -7,7 +7,8 @@
 # copied to the GPU machine. The gate
 #   1. verifies every artifact against SHA256SUMS;
 #   2. makes a fresh venv with --system-site-packages (the machine's CUDA torch, triton and
-#      test libraries; the machine has no network) and installs the five wheels into it,
+#      test libraries, also when they live in a venv; the machine has no network) and
+#      installs the five wheels into it,
 #      --no-deps --no-index (extra wheels, e.g. deepspeed, may be carried in
 #      $GEFEN_GATE_EXTRA_WHEELS);
 #   3. checks the installed set (scripts/check_installed.py);
@@ -54,6 +55,14 @@ echo "--- 1. artifacts"
 echo "--- 2. fresh venv with the exact wheels"
 "$PYTHON" -m venv --system-site-packages "$work/venv" || exit 2
 venv_python="$work/venv/bin/python"
+# --system-site-packages reaches the *base* interpreter's site-packages only: when $PYTHON is
+# itself a venv (GPU images often ship torch in one), its site-packages are appended by a .pth
+# file, after the new venv's own (so the wheels installed below take precedence).
+parent_site="$("$PYTHON" -c 'import sys, sysconfig; print(sysconfig.get_paths()["purelib"] if sys.prefix != sys.base_prefix else "")')"
+if [[ -n "$parent_site" ]]; then
+  child_site="$("$venv_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$parent_site" > "$child_site/_gefen_gate_parent_site.pth"
+fi
 wheels=("$artifacts"/*.whl)
 extra=()
 if [[ -n "${GEFEN_GATE_EXTRA_WHEELS:-}" ]]; then extra=("$GEFEN_GATE_EXTRA_WHEELS"/*.whl); fi

@@ -311,11 +311,16 @@ def _train_once(recipe: str, o: argparse.Namespace, out: Path, world_size: int, 
     from transformers import Trainer
 
     model = tiny_model(o.model, seed=0)
+    args = _training_args(out, o, world_size, save=stop_at is not None)
+    if o.device == "cuda":
+        # An optimizer built by the user (the Muon recipes) sees the parameters where they will
+        # train, as with any fused optimizer; the Trainer's own move is then a no-op.
+        model.to(args.device)
     fused = (True if o.device == "cuda" else None) if o.fused else False
     trainer_kw, given = build_optimizer(recipe, model, o.lr, fused=fused)
     counter = {"steps": 0}
     trainer = Trainer(
-        model=model, args=_training_args(out, o, world_size, save=stop_at is not None),
+        model=model, args=args,
         train_dataset=ByteWindows(o.windows, o.seq),
         callbacks=[_StopAfterSave(stop_at)] if stop_at is not None else None, **trainer_kw,
     )

@@ -263,6 +263,26 @@ def _failure_worker(rank: int, world: int) -> dict:
         set(after["state"][i]) == set(entry) and all(
             torch.equal(v, after["state"][i][k]) for k, v in entry.items()
             if isinstance(v, torch.Tensor)) for i, entry in live["state"].items())
+    # A GradScaler overflow seen on one rank only: every rank skips the step (a rank that
+    # stepped alone would wait in a gather the others never enter), both optimizers.
+    from gefen_core import _amp
+    from gefen_dist import ShardedGefenMuonHybrid
+
+    real = _amp.overflow_and_inverse_scale
+    for kind in ("muon", "hybrid"):
+        model = shard(make_model(seed=0, **MODEL_KW))
+        opt = (ShardedGefenMuon(_muon_named(model), **MUON_KW) if kind == "muon"
+               else ShardedGefenMuonHybrid(model, lr=3e-3))
+        lm_loss(model, x, y).backward()
+        before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        if rank == 1:
+            _amp.overflow_and_inverse_scale = lambda opt: (True, None)
+        try:
+            opt.step()
+        finally:
+            _amp.overflow_and_inverse_scale = real
+        out[f"{kind}_overflow_skipped"] = all(
+            torch.equal(before[n], p.to_local()) for n, p in model.named_parameters())
     # Layout errors at construction name the fix.
     model = shard(make_model(seed=0, **MODEL_KW))
     named = _muon_named(model)
@@ -286,6 +306,7 @@ def test_one_rank_failure_raises_on_every_rank(outcomes):
             assert r[f"{mode}_presence_untouched"], (rank, mode)
         assert r["mixed_modes"] is True, rank
         assert r["load"] == [1] and r["load_untouched"], rank
+        assert r["muon_overflow_skipped"] and r["hybrid_overflow_skipped"], rank
 
 
 def _hybrid_worker(rank: int, world: int, backup: str, mode: str) -> dict:

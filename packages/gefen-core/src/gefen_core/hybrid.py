@@ -404,7 +404,7 @@ class GefenMuonHybrid(Optimizer):
             self.muon._capture_guard()
             entries = self.muon._muon_preflight()
         self._backup_preflight()
-        overflow, inv_scale = _amp.overflow_and_inverse_scale(self)
+        overflow, inv_scale = self._amp_decision()
         if overflow:
             return loss
         if inv_scale is not None:
@@ -421,6 +421,12 @@ class GefenMuonHybrid(Optimizer):
         if self.backup is not None:
             self.backup.step()
         return loss
+
+    def _amp_decision(self) -> tuple[bool, Any]:
+        """``(overflow, inverse scale)`` of the GradScaler protocol, taken once for both halves.
+        A distributed subclass agrees ``overflow`` across ranks (one skipping rank must not
+        leave the others inside a collective)."""
+        return _amp.overflow_and_inverse_scale(self)
 
     def _first_step_has_non_finite(self) -> bool:
         # A Gefen child defers codebook learning (and skips its step) on non-finite first

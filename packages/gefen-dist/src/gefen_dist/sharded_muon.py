@@ -630,6 +630,17 @@ class ShardedGefenMuonHybrid(GefenMuonHybrid):
         with agreed("ShardedGefenMuonHybrid backup checks", group=self._group()):
             super()._backup_preflight()
 
+    def _amp_decision(self) -> tuple[bool, Any]:
+        overflow, inv_scale = super()._amp_decision()
+        if not self._collective():
+            return overflow, inv_scale
+        # GradScaler's found_inf is per rank unless the user's scaler reduces it: skip on every
+        # rank when any rank overflowed.
+        flag = torch.tensor([int(overflow)], dtype=torch.int32,
+                            device=collective_device(self._group()))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group())
+        return bool(flag.item()), inv_scale
+
     def _first_step_has_non_finite(self) -> bool:
         # The hybrid's "skip both halves" decision, taken on the local shards and agreed (every
         # step, so ranks whose children differ in what they still have to learn stay in step).

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 _DISTRIBUTION_PACKAGES = frozenset(
-    {"gefen", "gefen_kernels", "gefen_core", "gefen_dist", "gefen_bench"})
+    {"gefen", "gefen_kernels", "gefen_core", "gefen_dist", "gefen_bench"}
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

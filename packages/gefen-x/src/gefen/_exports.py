@@ -30,6 +30,8 @@ EXPORTS: Final[dict[str, tuple[str, str | None]]] = {
     "validate_split": ("gefen_core", None),
     # gefen-dist: engines and distributed checkpoints.
     "ShardedGefen": ("gefen_dist", "dist"),
+    "ShardedGefenMuon": ("gefen_dist", "dist"),
+    "ShardedGefenMuonHybrid": ("gefen_dist", "dist"),
     "GefenDCPState": ("gefen_dist", "dist"),
     "GefenSavePlanner": ("gefen_dist", "dist"),
     "GefenStager": ("gefen_dist", "dist"),

@@ -106,6 +106,7 @@ def _child(
     args: tuple[Any, ...],
     env: dict[str, str],
     results: Any,
+    release: Any,
 ) -> None:
     start = time.monotonic()
     os.environ.update(env)
@@ -140,9 +141,12 @@ def _child(
             )
         )
     finally:
-        # The outcome is reported first: on torch 2.7 with gloo, destroying the group can block
-        # on a peer that has already exited, and the parent kills a rank stuck here once its
-        # outcome has arrived.
+        # No rank leaves before every rank has reported: a rank that exited right after the
+        # last collective of ``fn`` could take with it a message a slower peer still needs
+        # (seen with gloo on torch 2.7: that peer then never returned). The outcome is reported
+        # first, because destroying the group can itself block on torch 2.7 with gloo; the
+        # parent kills a rank stuck there once every outcome has arrived.
+        release.wait(collective_timeout)
         if initialised:
             dist.destroy_process_group()
 
@@ -189,6 +193,7 @@ def run_distributed(
         )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    release = ctx.Event()  # set by the parent once every rank has reported (or on timeout)
     with tempfile.TemporaryDirectory(prefix="gefen_dist_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
@@ -196,7 +201,7 @@ def run_distributed(
                 target=_child,
                 args=(
                     rank, world_size, init_file, backend, collective_timeout, fn, tuple(args),
-                    dict(env or {}), results,
+                    dict(env or {}), results, release,
                 ),
                 daemon=True,
             )
@@ -228,6 +233,7 @@ def run_distributed(
                     continue
                 outcomes[outcome.rank] = outcome
         finally:
+            release.set()
             for p in procs:
                 p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
             for p in procs:

@@ -46,6 +46,12 @@ def _step(opts: list[torch.optim.Optimizer], steps: int = 2) -> None:
             o.step()
 
 
+HAS_TORCH_MUON = hasattr(torch.optim, "Muon")
+needs_torch_muon = pytest.mark.skipif(not HAS_TORCH_MUON,
+                                      reason="torch.optim.Muon needs torch >= 2.9")
+
+
+@needs_torch_muon
 def test_torch_muon_halves_match_their_definitions_and_sum_to_the_whole() -> None:
     named = _named()
     params = [p for _, p in named]
@@ -129,6 +135,7 @@ def test_non_muon_optimizers_have_no_halves() -> None:
     assert "halves" not in state_bytes_per_param(opts, params)
 
 
+@needs_torch_muon
 def test_halves_report_storage_shared_across_halves() -> None:
     a = torch.nn.Parameter(torch.zeros(4, 4))
     b = torch.nn.Parameter(torch.zeros(3))
@@ -153,9 +160,12 @@ def test_step_cli_reports_state_per_half(tmp_path, capsys: pytest.CaptureFixture
     assert "state by half" in out
     report = json.loads((tmp_path / "step.json").read_text())
     rows = {r["optimizer"]: r for r in report["rows"]}
-    assert set(rows) == {"muon", "gefen-muon-hybrid-adamw"}, report["failed"]
+    names = ["muon", "gefen-muon-hybrid-adamw"] if HAS_TORCH_MUON else ["gefen-muon-hybrid-adamw"]
+    assert set(rows) == set(names), report["failed"]
+    if not HAS_TORCH_MUON:  # the floor torch: reported as skipped, not crashed
+        assert "muon" in report["skipped"], report
     muon_named, rest = registry.split_for_muon(_named())
-    for name in ("muon", "gefen-muon-hybrid-adamw"):
+    for name in names:
         h = rows[name]["state_halves"]
         assert h["muon"]["numel"] == _numel(muon_named)
         assert h["backup"]["numel"] == _numel(rest)
@@ -164,6 +174,8 @@ def test_step_cli_reports_state_per_half(tmp_path, capsys: pytest.CaptureFixture
         assert rows[name]["state_bytes_per_param"] == pytest.approx(
             h["whole"]["state_bytes"] / rows[name]["params"], rel=1e-12)
     # Same backup tensors, same torch AdamW: the backup halves are byte-identical.
-    assert rows["muon"]["state_halves"]["backup"]["state_bytes"] \
-        == rows["gefen-muon-hybrid-adamw"]["state_halves"]["backup"]["state_bytes"] \
+    assert rows["gefen-muon-hybrid-adamw"]["state_halves"]["backup"]["state_bytes"] \
         == _adamw_bytes(rest)
+    if HAS_TORCH_MUON:
+        assert rows["muon"]["state_halves"]["backup"]["state_bytes"] \
+            == rows["gefen-muon-hybrid-adamw"]["state_halves"]["backup"]["state_bytes"]

@@ -1,0 +1,90 @@
+"""Where a fused Gefen step spends its time on CUDA: host profile and per-kernel device time.
+
+    PYTHONPATH=<packages>/src python scripts/profile_step.py --models gpt2,llama > profile.txt
+
+For each model-shaped bf16 parameter set (``gefen_bench.param_sets``) and each second-moment
+mode, prints the first-step wall time, the steady step's host-issue and CUDA-event times, the
+top host functions under ``cProfile`` over ``--steps`` steady steps, and the device time per
+kernel name from ``torch.profiler`` (ALGORITHM.md §3; the kernels issue's speed targets).
+A diagnostic for kernel work, not a benchmark: ``gefen-bench step`` is the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+
+def _profile(model: str, factored: bool, steps: int) -> None:
+    from gefen_bench.param_sets import build_param_set, shapes_for
+    from gefen_core import Gefen
+
+    dev = torch.device("cuda")
+    named = build_param_set(shapes_for(model, "full"), device=dev, dtype=torch.bfloat16)
+    opt = Gefen(named, lr=1e-4, weight_decay=0.0, factored_v_2d=factored)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    pr = cProfile.Profile()
+    pr.enable()
+    opt.step()
+    torch.cuda.synchronize()
+    pr.disable()
+    first = time.perf_counter() - t0
+    print(f"\n=== {model} factored_v_2d={factored}: first step {first * 1e3:.1f} ms")
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(25)
+    print(s.getvalue())
+    for _ in range(5):
+        opt.step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    hosts, devs = [], []
+    for _ in range(steps):
+        start.record()
+        h0 = time.perf_counter()
+        opt.step()
+        hosts.append(time.perf_counter() - h0)
+        end.record()
+        torch.cuda.synchronize()
+        devs.append(start.elapsed_time(end))
+    hosts.sort()
+    devs.sort()
+    print(f"steady: host issue median {hosts[len(hosts) // 2] * 1e3:.2f} ms, "
+          f"event median {devs[len(devs) // 2]:.2f} ms")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        opt.step()
+    torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+    print(f"--- cProfile over {steps} steady steps, by own time")
+    print(s.getvalue())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            opt.step()
+        torch.cuda.synchronize()
+    print("--- device time per kernel over 3 steady steps")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+    del opt, named
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt2,llama")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    for model in args.models.split(","):
+        for factored in (True, False):
+            _profile(model, factored, args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -54,8 +54,10 @@ def _profile(model: str, factored: bool, steps: int) -> None:
         devs.append(start.elapsed_time(end))
     hosts.sort()
     devs.sort()
-    print(f"steady: host issue median {hosts[len(hosts) // 2] * 1e3:.2f} ms, "
-          f"event median {devs[len(devs) // 2]:.2f} ms")
+    print(
+        f"steady: host issue median {hosts[len(hosts) // 2] * 1e3:.2f} ms, "
+        f"event median {devs[len(devs) // 2]:.2f} ms"
+    )
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(steps):

@@ -389,6 +389,12 @@ def _planned_gefen(
                 vals = (f32(sc["lr"]), f32(sc["bc1_recip"]), f32(bc2), f32(sc["decay"]))
                 cache[key] = vals
             host.append(vals)
+    if host and _graphable(params, factored_stats):
+        _graphed_step(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sqs,
+                      exp_avg_sq_rows, exp_avg_sq_cols, host, codebook=codebook,
+                      options=(beta1, beta2, eps, bool(maximize), bool(stochastic_round), True),
+                      seeds=seeds if stochastic_round else None)
+        return
     options = (beta1, beta2, eps, bool(maximize), bool(stochastic_round), bool(capturable))
     for i in range(n):
         param, grad = params[i], grads[i]
@@ -414,6 +420,48 @@ def _planned_gefen(
         else:
             lr32, bc1_32, bc2_32, decay32 = host[i]
             plan.launch(g, lr=lr32, bc1_recip=bc1_32, bc2=bc2_32, decay=decay32, seed=seed)
+
+
+def _graphable(params: Sequence[Tensor],
+               factored_stats: Sequence[tuple[Tensor, int] | None] | None) -> bool:
+    """Whether this eager step can go through :mod:`gefen_core._step_graphs`: every tensor
+    takes a plan (contiguous, no reduced row-shard statistics) and no graph is being captured
+    by the caller (then the launches belong in the caller's graph)."""
+    from . import _step_graphs
+
+    return (_step_graphs.enabled() and len(params) > 1
+            and (factored_stats is None or all(s is None for s in factored_stats))
+            and all(p.is_contiguous() for p in params)
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _graphed_step(
+    params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg_codes: Sequence[Tensor],
+    exp_avg_scales: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor | None],
+    exp_avg_sq_rows: Sequence[Tensor | None], exp_avg_sq_cols: Sequence[Tensor | None],
+    host: Sequence[tuple[float, float, float, float]], *, codebook: Tensor,
+    options: tuple[Any, ...], seeds: Sequence[int] | None,
+) -> None:
+    """The planned launches through capturable plans and device scalars, graph-replayed when
+    the addresses repeat (bit-identical to the by-value launches)."""
+    from gefen_kernels._numerics import to_signed64
+
+    from . import _step_graphs
+
+    plans = []
+    tensors: list[Tensor | None] = []
+    for i, param in enumerate(params):
+        state = (exp_avg_codes[i], exp_avg_scales[i], exp_avg_sqs[i], exp_avg_sq_rows[i],
+                 exp_avg_sq_cols[i])
+        plans.append(_plan_for(param, *state, codebook, options))
+        tensors.append(param)
+        tensors.extend(state)
+    # host rows are (lr, bc1_recip, bc2, decay); the kernels' device layout is
+    # [lr, bc2, bc1_recip, decay].
+    rows = [(lr, bc2, bc1, decay) for lr, bc1, bc2, decay in host]
+    _step_graphs.launch(plans, grads, tensors, rows,
+                        None if seeds is None else [to_signed64(s) for s in seeds],
+                        anchor=exp_avg_codes[0])
 
 
 def _read_counters(counters: Sequence[Tensor]) -> list[float]:

@@ -261,6 +261,49 @@ def scenarios() -> Iterator[Callable[[], None]]:
                                     col=torch.zeros(cols), inv_rbar=torch.ones(1), ncols=cols,
                                     codebook=cb, route=route, bc2=bc2, **kw)
             yield run_f
+    # The row-shard statistics (finalize PHASE 1 and 2, an empty shard included) and the
+    # statistics kernel with several column tiles per split (taken when the row partials would
+    # pass their bound: forced here through an explicit layout on a small gradient).
+    def run_shard() -> None:
+        from gefen_kernels.ops.factored_step import (
+            _stats_partials,
+            factored_finalize_stats,
+            factored_partial_stats,
+        )
+
+        for rows, cols in ((1, 1), (7, 13), (64, 96), (300, 4097)):
+            g = torch.zeros(rows, cols, dtype=torch.bfloat16)
+            row, col = torch.zeros(rows), torch.zeros(cols)
+            stats = factored_partial_stats(torch.zeros(rows, cols, dtype=torch.bfloat16), g, row,
+                                           col, beta2=0.999)
+            factored_finalize_stats(row, col, stats, beta2=0.999, global_rows=rows + 5)
+            factored_finalize_stats(torch.zeros(0), col, stats[rows:], beta2=0.999,
+                                    global_rows=rows + 5)
+        for gdt in gdtypes:
+            _stats_partials(torch.zeros(64, 1024, dtype=gdt), layout=(32, 256, 2, 2, 32))
+    yield run_shard
+    # int64 offsets (OFFS64), which only tensors near 2**31 elements take: forced here.
+    def run_offs64() -> None:
+        from gefen_kernels.ops import _step_kernels
+
+        original = _step_kernels.needs_int64
+        _step_kernels.needs_int64 = lambda num_blocks, period: True
+        try:
+            for nb, period, route in [(64, 16, None), (5, 5003, "loop"), (2, 4099, "split")]:
+                q, s, v = block_state(nb, period)
+                for flags in ({}, {"maximize": True, "stochastic_round": True}):
+                    launch_step(torch.zeros(nb * period, dtype=torch.bfloat16),
+                                torch.zeros(nb * period, dtype=torch.bfloat16), q, s,
+                                exp_avg_sq=v, row=None, col=None, inv_rbar=None, ncols=1,
+                                codebook=cb, route=route, **hp(**flags))
+                    launch_step(torch.zeros(nb, period, dtype=torch.bfloat16),
+                                torch.zeros(nb, period, dtype=torch.bfloat16), q, s,
+                                exp_avg_sq=None, row=torch.zeros(nb), col=torch.zeros(period),
+                                inv_rbar=torch.ones(1), ncols=period, codebook=cb, route=route,
+                                **hp(**flags))
+        finally:
+            _step_kernels.needs_int64 = original
+    yield run_offs64
     # The search table's STEPS and the full search (STEPS=0, taken during graph capture).
     for codebook in cbs:
         def run_t(codebook: torch.Tensor = codebook) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import numpy as np
@@ -310,6 +311,64 @@ def test_triton_every_route(route, rows, cols, period, split, tile) -> None:
     _pair(param, grad, st, cb, route=route, split_elements=split, loop_tile=tile)
     _pair(param, grad, st, cb, route=route, split_elements=split, loop_tile=tile,
           stochastic_round=True, seed=77, maximize=True)
+
+
+# Small stand-ins for the GPU sizes at which the statistics layout changes shape: several column
+# tiles per split (the row partials' bound), more splits than one finalize chunk of row partials,
+# more row programs than one chunk of column partials, more r' block sums than one chunk.
+LAYOUTS = [
+    pytest.param(40, 1100, dict(_STATS_TILE=2048, _STATS_ROW_PART_FLOATS=80,
+                                _STATS_COL_PART_FLOATS=4000), None, "tiles", id="tiles-per-split"),
+    pytest.param(8, 72, dict(_STATS_TILE=16, _STATS_CB=4), None, "splits", id="many-splits"),
+    pytest.param(260, 4, dict(_STATS_TILE=16, _STATS_CB=4), 1, "rows", id="many-row-programs"),
+]
+
+
+@pytest.mark.parametrize("rows,cols,consts,total_chunk,expect", LAYOUTS)
+def test_triton_statistics_layouts(monkeypatch, rows, cols, consts, total_chunk, expect) -> None:
+    fs = importlib.import_module("gefen_kernels.ops.factored_step")
+    monkeypatch.setattr(fs, "program_elements", lambda gpu: gpu)
+    for name, value in consts.items():
+        monkeypatch.setattr(fs, name, value)
+    if total_chunk is not None:
+        monkeypatch.setitem(fs._FIN_CONSTS, "FT", total_chunk)
+    rb, cb, splits, n_row_programs, rows_per_program = fs.stats_layout(rows, cols)
+    shape = (splits, -(-cols // cb), n_row_programs)
+    if expect == "tiles":
+        assert splits < shape[1] and n_row_programs > 1, shape
+    elif expect == "splits":
+        assert splits > fs._FIN_SR, shape
+    else:
+        assert n_row_programs > fs._FIN_SP and -(-rows // fs._FIN_ROWS) > total_chunk, shape
+    dev = _device()
+    gen = torch.Generator().manual_seed(rows)
+    param = torch.randn(rows, cols, generator=gen).to(torch.bfloat16).to(dev)
+    scale = torch.logspace(-2, 0, rows).reshape(-1, 1) * torch.logspace(0, -1, cols)
+    grad = (torch.randn(rows, cols, generator=gen) * scale).to(torch.bfloat16).to(dev)
+    st = {k: v.to(dev) for k, v in make_state(rows, cols, cols, seed=rows).items()}
+    cb_ = make_codebook(4).to(dev)
+    hp = _hyper(3, 1e-3, 0.01)
+    one_p = _pair(param, grad, st, cb_)
+
+    # r and k against float64 sums of the same gradient (independent of both implementations).
+    one = clone_state(st)
+    factored_step_triton(param.clone(), grad, one["codes"], one["scale"], one["row"], one["col"],
+                         cb_, **hp)
+    r64, k64, _ = factored_stats64(grad.double().cpu().numpy(), st["row"].double().cpu().numpy(),
+                                   st["col"].double().cpu().numpy(),
+                                   beta2=float(np.float32(BETA2)))
+    np.testing.assert_allclose(one["row"].double().cpu().numpy(), r64, rtol=_sum_rtol(cols))
+    np.testing.assert_allclose(one["col"].double().cpu().numpy(), k64, rtol=_sum_rtol(rows))
+
+    # The row-shard path with unreduced sums (PHASE 1 then 2) equals the one-call step (PHASE 0).
+    two = clone_state(st)
+    two_p = param.clone()
+    stats = fs._partial_stats_triton(grad, two["row"], BETA2)
+    factored_step_triton(two_p, grad, two["codes"], two["scale"], two["row"], two["col"], cb_,
+                         **hp, stats=stats, global_rows=rows)
+    assert_bitwise(two_p, one_p, "param")
+    for k in one:
+        assert_bitwise(two[k], one[k], k)
 
 
 def test_triton_zero_rows_columns_hyper_and_nan() -> None:

@@ -23,10 +23,10 @@ products (``LAUNCH_OPTIONS``: no fma contraction); offsets are int64.
 
 Pointer arguments: ``g_ptr`` grad (``N``, fp32/bf16/fp16), ``q_ptr`` uint8 codes ``[B, P]``,
 ``s_ptr`` fp32 scales ``[B]``, ``cb_ptr`` fp32 ``[256]``, ``table_ptr`` the search table of
-§1.8.4 (``STEPS`` probes; ``STEPS=0``: full search), ``seed_ptr`` int64 ``[1]``
-(``SEED_PTR``), ``u_ptr`` the output (``N``, the gradient's dtype). Constexprs: ``NESTEROV``
-look-ahead, ``MAXIMIZE`` negate grad, ``STOCHASTIC`` rounding, ``SEED_PTR`` read the seed from
-device memory (CUDA-graph capturable).
+§1.8.4, packed (:func:`._search_table.kernel_table`; ``STEPS`` probes; ``STEPS=0``: full
+search), ``seed_ptr`` int64 ``[1]`` (``SEED_PTR``), ``u_ptr`` the output (``N``, the gradient's
+dtype). Constexprs: ``NESTEROV`` look-ahead, ``MAXIMIZE`` negate grad, ``STOCHASTIC`` rounding,
+``SEED_PTR`` read the seed from device memory (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch import Tensor
 from .._numerics import f32, to_signed64
 from .._triton import jit, program_elements, require_triton, tl, triton
 from ._dispatch import check_device_for_triton
-from ._search_table import search_table
+from ._search_table import kernel_table
 from ._step_kernels import (
     LOOP_TILE,
     SPLIT_ELEMENTS,
@@ -47,6 +47,7 @@ from ._step_kernels import (
     _next_pow2,
     _step_partial_kernel,
     choose_route,
+    needs_int64,
 )
 from ._triton_helpers import (
     LAUNCH_OPTIONS,
@@ -70,12 +71,12 @@ def _muon_write(q_ptr, u_ptr, cb_ptr, table_ptr, offs, mask, g, m, s_new, b, omb
     positive = s_new > 0
     z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)
     if STOCHASTIC:
-        q = tl_quantize_stochastic(z, cb_ptr, table_ptr, STEPS, seed_u, offs)
+        q, c_q = tl_quantize_stochastic(z, cb_ptr, table_ptr, STEPS, seed_u, offs)
     else:
-        q = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
+        q, c_q = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
     tl.store(q_ptr + offs, q.to(tl.uint8), mask=mask)
     out_dtype = u_ptr.dtype.element_ty
-    codeword = tl_round_to(tl.load(cb_ptr + q), out_dtype).to(tl.float32)
+    codeword = tl_round_to(c_q, out_dtype).to(tl.float32)
     u = tl_round_to(codeword * s_new, out_dtype)
     if NESTEROV:
         look = tl_round_to(u.to(tl.float32) * b, out_dtype).to(tl.float32)
@@ -182,7 +183,7 @@ def launch_muon_momentum(
         return
     b = f32(beta)
     omb = f32(1.0 - b)
-    table, steps = search_table(codebook) if use_table else (codebook, 0)
+    table, steps = kernel_table(codebook) if use_table else (codebook, 0)
     seed_ptr = seed_tensor if seed_tensor is not None else codebook
     flags = dict(NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize),
                  STOCHASTIC=bool(stochastic_round), SEED_PTR=seed_tensor is not None,
@@ -209,7 +210,7 @@ def launch_muon_momentum(
         _step_partial_kernel[(num_blocks * num_splits,)](
             flat_g, codes, scale, codebook, part_max, part_max, period, num_splits, b, omb,
             SPLIT=split_elements, TILE=tile, FACTORED=True, MAXIMIZE=bool(maximize),
-            num_warps=8, **LAUNCH_OPTIONS)
+            OFFS64=needs_int64(num_blocks, period), num_warps=8, **LAUNCH_OPTIONS)
         s_new = part_max.amax(dim=1)  # NaN-propagating, order-independent
         _muon_apply_kernel[(num_blocks * num_splits,)](
             flat_g, codes, scale, s_new, codebook, table, seed_ptr, flat_u, period, num_splits,

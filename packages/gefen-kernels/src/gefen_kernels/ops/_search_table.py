@@ -11,6 +11,15 @@ Building a table reads the widest range back to the host (one synchronisation), 
 cached per codebook tensor and its version counter; the cache is keyed on the tensor object
 (weakly), so a new or modified codebook gets a new table. During CUDA-graph capture a missing
 table is not built: the kernels then take the full search (same codes).
+
+The Triton kernels use a packed form of the same table (:func:`kernel_table`, int64
+``[4097 + 256]``) so one gather replaces several: entry ``b < 4097`` holds ``L[b]`` in its low
+32 bits and, in its high 32 bits, the fp32 bit pattern of ``c[L[b]]`` when bucket ``b`` holds a
+codeword (``L[b + 1] > L[b]``), else of ``+inf`` (the one probe of a single-step search reads it
+instead of the codebook; ``+inf < x`` is false for every ``x``, as an empty range never moves).
+Entry ``4097 + j`` holds the bit patterns of ``c[max(j - 1, 0)]`` (low) and ``c[j]`` (high): the
+two codewords around ``R = j`` of §1.9 in one load. Only bit patterns are copied: the kernels
+compare and subtract exactly the codewords the codebook holds.
 """
 
 from __future__ import annotations
@@ -23,6 +32,9 @@ from .._numerics import HISTOGRAM_BINS
 
 # Keyed on tensor identity (a weak reference): tensors compare elementwise, not by identity.
 _CACHE = WeakIdKeyDictionary()
+_KERNEL_CACHE = WeakIdKeyDictionary()
+
+KERNEL_PAIRS_OFFSET = HISTOGRAM_BINS + 1  # first pair entry of the packed kernel table
 
 
 def build_search_table(codebook: Tensor) -> tuple[Tensor, int]:
@@ -44,4 +56,35 @@ def search_table(codebook: Tensor) -> tuple[Tensor, int]:
         return codebook, 0
     table, steps = build_search_table(codebook)
     _CACHE[codebook] = (codebook._version, table, steps)
+    return table, steps
+
+
+def _bits(values: Tensor) -> Tensor:
+    """fp32 bit patterns as non-negative int64 (the low 32 bits of a packed entry)."""
+    return values.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def build_kernel_table(codebook: Tensor) -> tuple[Tensor, int]:
+    """(packed int64 ``[4097 + 256]`` table of the module docstring, probes needed ``>= 1``)."""
+    table, steps = build_search_table(codebook)
+    lo = table.to(torch.int64)
+    count = torch.cat([lo[1:] - lo[:-1], lo.new_zeros(1)])
+    inf = torch.full_like(codebook[:1], float("inf"))
+    probe = torch.cat([codebook, inf])[lo.clamp(max=codebook.numel())]
+    probe = torch.where(count > 0, probe, inf)
+    entries = lo | (_bits(probe) << 32)
+    left = torch.cat([codebook[:1], codebook[:-1]])
+    pairs = _bits(left) | (_bits(codebook) << 32)
+    return torch.cat([entries, pairs]), steps
+
+
+def kernel_table(codebook: Tensor) -> tuple[Tensor, int]:
+    """Cached packed table for ``codebook``; ``(codebook, 0)`` means "use the full search"."""
+    hit = _KERNEL_CACHE.get(codebook)
+    if hit is not None and hit[0] == codebook._version:
+        return hit[1], hit[2]
+    if codebook.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return codebook, 0
+    table, steps = build_kernel_table(codebook)
+    _KERNEL_CACHE[codebook] = (codebook._version, table, steps)
     return table, steps

@@ -23,9 +23,12 @@ Pointer arguments: ``p_ptr`` param (fp32/bf16/fp16, ``N``), ``g_ptr`` grad (``N`
 fp16), ``q_ptr`` uint8 codes ``[B, P]``, ``s_ptr`` fp32 scales ``[B]``, ``v_ptr`` fp32 second
 moment ``[B]`` (block mode), ``row_ptr``/``col_ptr`` fp32 ``[R]``/``[C]`` and ``inv_rbar_ptr``
 fp32 ``[1]`` (factored mode), ``cb_ptr`` fp32 ``[256]``, ``hyper_ptr`` fp32 ``[4]``
-(``HYPER``), ``seed_ptr`` int64 ``[1]`` (``SEED_PTR``). All arithmetic is fp32; all offsets are
-int64. Constexprs: ``FACTORED`` mode, ``MAXIMIZE`` negate grad, ``STOCHASTIC`` rounding,
-``HYPER``/``SEED_PTR`` read scalars from device memory (CUDA-graph capturable).
+(``HYPER``), ``seed_ptr`` int64 ``[1]`` (``SEED_PTR``), ``table_ptr`` the packed int64 search
+table of :func:`._search_table.kernel_table` (``STEPS`` probes; ``STEPS=0``: full search, table
+unused). All arithmetic is fp32. Constexprs: ``FACTORED`` mode, ``MAXIMIZE`` negate grad,
+``STOCHASTIC`` rounding, ``HYPER``/``SEED_PTR`` read scalars from device memory (CUDA-graph
+capturable), ``OFFS64`` int64 offsets (tensors near 2**31 elements, :func:`needs_int64`; else
+int32: half the address arithmetic, and 32-bit row/column division in factored mode).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch import Tensor
 from .._numerics import f32, to_signed64
 from .._triton import jit, program_elements, require_triton, tl, triton
 from ._dispatch import check_device_for_triton
-from ._search_table import search_table
+from ._search_table import kernel_table
 from ._step_ref import denominator
 from ._triton_helpers import (
     LAUNCH_OPTIONS,
@@ -51,6 +54,25 @@ TILE_MAX_PERIOD = 4096  # tile route up to this period
 TILE_ELEMENTS = 2048  # elements per program in the tile route (at least one whole block)
 LOOP_TILE = 2048  # elements per iteration in the loop and split routes
 SPLIT_ELEMENTS = 16384  # elements of one block per program in the split route
+
+
+@jit
+def _index(x, OFFS64: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Integer ``x`` (int32 or the constant 1) widened to int64 when ``OFFS64``: tensors
+    near 2**31 elements; otherwise kept 32-bit (cheaper address arithmetic, and a 32-bit
+    row/column division in factored mode)."""
+    if OFFS64:
+        # Not .to(): `period` may be the Python int 1 (Triton specialises ints equal to 1).
+        return x + tl.zeros([], dtype=tl.int64)
+    else:
+        return x
+
+
+def needs_int64(num_blocks: int, period: int) -> bool:
+    """Whether a ``[num_blocks, period]`` launch needs int64 offsets: any offset a program
+    forms, masked lanes included (a tile's last blocks, a loop's or split's last tile),
+    could pass 2**31 - 1."""
+    return (num_blocks + TILE_ELEMENTS + 2) * max(period, 1) + 4 * SPLIT_ELEMENTS >= 2**31
 
 
 @jit
@@ -106,12 +128,12 @@ def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs
     positive = s_new > 0
     z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)
     if STOCHASTIC:
-        q = tl_quantize_stochastic(z, cb_ptr, table_ptr, STEPS, seed_u, offs)
+        q, codeword = tl_quantize_stochastic(z, cb_ptr, table_ptr, STEPS, seed_u, offs)
     else:
-        q = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
+        q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
     tl.store(q_ptr + offs, q.to(tl.uint8), mask=mask)
     if lr != 0.0:
-        mhat = tl.load(cb_ptr + q) * s_new
+        mhat = codeword * s_new
         if FACTORED:
             r = tl.load(row_ptr + offs // ncols, mask=mask, other=0.0)
             k = tl.load(col_ptr + offs % ncols, mask=mask, other=0.0)
@@ -125,7 +147,12 @@ def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs
             sigma = sigma_block
         u = (mhat * sigma) * lr
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        decayed = tl_round_to(p.to(tl.float32) * decay, p.dtype).to(tl.float32)
+        if decay == 1.0:
+            # p * 1 is p and p is already in p's dtype: the rounding below is the identity
+            # (a NaN p stays NaN; GPU arithmetic canonicalises it in `decayed - u` either way).
+            decayed = p.to(tl.float32)
+        else:
+            decayed = tl_round_to(p.to(tl.float32) * decay, p.dtype).to(tl.float32)
         tl.store(p_ptr + offs, tl_round_to(decayed - u, p.dtype), mask=mask)
 
 
@@ -133,11 +160,15 @@ def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs
 def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
                  table_ptr, num_blocks, period, ncols, b1, omb1, b2, omb2, eps, lr, bc2, bc1,
                  decay, seed_u, BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
-                 MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, STEPS: tl.constexpr):
-    """The tile route's work for program ``pid`` (int64) of one tensor: blocks
-    ``[pid * BPP, (pid + 1) * BPP)`` as a ``[BPP, P2]`` register tile."""
-    blocks = pid * BPP + tl.arange(0, BPP).to(tl.int64)
-    cols = tl.arange(0, P2).to(tl.int64)
+                 MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, STEPS: tl.constexpr,
+                 OFFS64: tl.constexpr):
+    """The tile route's work for program ``pid`` of one tensor: blocks
+    ``[pid * BPP, (pid + 1) * BPP)`` as a ``[BPP, P2]`` register tile. ``OFFS64``: int64
+    offsets, else int32 (``pid``, ``num_blocks`` and ``period`` must then be int32)."""
+    period = _index(period, OFFS64)
+    num_blocks = _index(num_blocks, OFFS64)
+    blocks = _index(pid, OFFS64) * BPP + _index(tl.arange(0, BPP), OFFS64)
+    cols = _index(tl.arange(0, P2), OFFS64)
     bmask = blocks < num_blocks
     mask = bmask[:, None] & (cols < period)[None, :]
     offs = blocks[:, None] * period + cols[None, :]
@@ -164,13 +195,13 @@ def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                       b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
                       BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
                       MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
-                      SEED_PTR: tl.constexpr, STEPS: tl.constexpr):
+                      SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr):
     """Tile route: program ``pid`` owns blocks ``[pid * BPP, (pid + 1) * BPP)``."""
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
-    _tile_blocks(tl.program_id(0).to(tl.int64), p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr,
+    _tile_blocks(tl.program_id(0), p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr,
                  col_ptr, inv_rbar_ptr, cb_ptr, table_ptr, num_blocks, period, ncols, b1, omb1,
                  b2, omb2, eps, lr, bc2, bc1, decay, _load_seed(seed_ptr, seed, SEED_PTR), BPP,
-                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS)
+                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64)
 
 
 @jit(do_not_specialize=["seed", "num_blocks"])
@@ -179,11 +210,12 @@ def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                       b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
                       TILE: tl.constexpr, FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr,
                       STOCHASTIC: tl.constexpr, HYPER: tl.constexpr, SEED_PTR: tl.constexpr,
-                      STEPS: tl.constexpr):
+                      STEPS: tl.constexpr, OFFS64: tl.constexpr):
     """Loop route: program ``pid`` owns block ``pid`` and sweeps it twice in ``TILE`` steps."""
-    block = tl.program_id(0).to(tl.int64)
+    block = _index(tl.program_id(0), OFFS64)
+    period = _index(period, OFFS64)
     base = block * period
-    lanes = tl.arange(0, TILE).to(tl.int64)
+    lanes = _index(tl.arange(0, TILE), OFFS64)
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
     s_old = tl.load(s_ptr + block)
     acc_max = tl.zeros([TILE], dtype=tl.float32)
@@ -221,12 +253,14 @@ def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
 @jit
 def _step_partial_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, part_max_ptr, part_sq_ptr, period,  # type: ignore[no-untyped-def]
                          num_splits, b1, omb1, SPLIT: tl.constexpr, TILE: tl.constexpr,
-                         FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr):
+                         FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                         OFFS64: tl.constexpr):
     """Split route, phase 1: max |m| (NaN-propagating) and sum g^2 of one slice of a block."""
-    pid = tl.program_id(0).to(tl.int64)
+    pid = _index(tl.program_id(0), OFFS64)
+    period = _index(period, OFFS64)
     block = pid // num_splits
     split = pid % num_splits
-    lanes = tl.arange(0, TILE).to(tl.int64)
+    lanes = _index(tl.arange(0, TILE), OFFS64)
     s_old = tl.load(s_ptr + block)
     acc_max = tl.zeros([TILE], dtype=tl.float32)
     acc_nan = tl.zeros([TILE], dtype=tl.int32)
@@ -251,12 +285,13 @@ def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr
                        num_splits, b1, omb1, eps, lr, bc2, bc1, decay, seed,
                        SPLIT: tl.constexpr, TILE: tl.constexpr, FACTORED: tl.constexpr,
                        MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
-                       SEED_PTR: tl.constexpr, STEPS: tl.constexpr):
+                       SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr):
     """Split route, phase 2: recompute m with the old scale, quantise with the new one, write."""
-    pid = tl.program_id(0).to(tl.int64)
+    pid = _index(tl.program_id(0), OFFS64)
+    period = _index(period, OFFS64)
     block = pid // num_splits
     split = pid % num_splits
-    lanes = tl.arange(0, TILE).to(tl.int64)
+    lanes = _index(tl.arange(0, TILE), OFFS64)
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
     s_old = tl.load(s_ptr + block)
     s_new = tl.load(s_new_ptr + block)
@@ -315,8 +350,10 @@ def launch_step(
     scal = dict(lr=f32(lr), bc2=f32(bc2), bc1=f32(bc1_recip), decay=f32(decay))
     hyper_ptr = hyper if hyper is not None else dummy
     seed_ptr = seed_tensor if seed_tensor is not None else dummy
-    table, steps = search_table(codebook) if use_table else (codebook, 0)
-    flags = dict(HYPER=hyper is not None, SEED_PTR=seed_tensor is not None, STEPS=steps)
+    table, steps = kernel_table(codebook) if use_table else (codebook, 0)
+    offs64 = needs_int64(num_blocks, period)
+    flags = dict(HYPER=hyper is not None, SEED_PTR=seed_tensor is not None, STEPS=steps,
+                 OFFS64=offs64)
     v_ptr = exp_avg_sq if exp_avg_sq is not None else dummy
     row_ptr = row if row is not None else dummy
     col_ptr = col if col is not None else dummy
@@ -348,7 +385,8 @@ def launch_step(
         _step_partial_kernel[(num_blocks * num_splits,)](
             flat_g, codes, scale, codebook, part_max, part_sq, period, num_splits, b1,
             f32(1.0 - b1), SPLIT=split_elements, TILE=min(loop_tile, split_elements),
-            FACTORED=factored, MAXIMIZE=bool(maximize), num_warps=8, **LAUNCH_OPTIONS)
+            FACTORED=factored, MAXIMIZE=bool(maximize), OFFS64=offs64, num_warps=8,
+            **LAUNCH_OPTIONS)
         s_new = part_max.amax(dim=1)  # NaN-propagating, order-independent
         sigma = s_new
         if exp_avg_sq is not None:

@@ -16,6 +16,8 @@ from .._triton import jit, tl
 
 # Launch options every Gefen kernel uses (see the module docstring).
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+# First pair entry of the packed kernel table (_search_table.KERNEL_PAIRS_OFFSET).
+PAIRS_OFFSET = tl.constexpr(4097) if tl is not None else 4097
 
 
 @jit
@@ -40,58 +42,90 @@ def tl_codeword_upper(x, cb_ptr):
 
 
 @jit
-def tl_codeword_upper_table(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """R = min(lower_bound(c, x), 255) narrowed by the search table of §1.8.4.
-
-    ``table_ptr``: int32 ``[4097]``, ``L[b]`` = number of codewords whose bucket
-    ``clamp(floor((c + 1) * 2048), 0, 4095)`` is below ``b``; the lower bound of ``x`` lies in
-    ``[L[bucket(x)], L[bucket(x) + 1]]`` and ``STEPS`` halvings (the bit length of the widest
-    range, computed with the table) find it: the same index as the full search.
-    """
+def _bucket(x):
+    """The §1.8.4 bucket ``clamp(floor((x + 1) * 2048), 0, 4095)`` of fp32 ``x`` (NaN: 0)."""
     b = tl.floor((x + 1.0) * 2048.0)
     b = tl.minimum(tl.maximum(b, 0.0), 4095.0)
-    b = tl.where(x != x, 0.0, b).to(tl.int32)
-    lo = tl.load(table_ptr + b)
-    hi = tl.load(table_ptr + b + 1)
-    for _ in tl.static_range(STEPS):
-        active = lo < hi
-        mid = (lo + hi) >> 1
-        less = tl.load(cb_ptr + tl.minimum(mid, 255)) < x
-        lo = tl.where(active & less, mid + 1, lo)
-        hi = tl.where(active & (less == 0), mid, hi)
-    return tl.minimum(lo, 255)
+    return tl.where(x != x, 0.0, b).to(tl.int32)
 
 
 @jit
-def tl_codeword_right(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """R of §1.9: the table-narrowed search when ``STEPS > 0``, else the full 8-probe one."""
-    if STEPS > 0:
-        right = tl_codeword_upper_table(x, cb_ptr, table_ptr, STEPS)
-    else:
+def _low_float(bits64):
+    """The fp32 whose bit pattern is the low 32 bits of int64 ``bits64``."""
+    return bits64.to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@jit
+def _high_float(bits64):
+    """The fp32 whose bit pattern is the high 32 bits of int64 ``bits64``."""
+    return (bits64 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@jit
+def tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``(L, R, c[L], c[R])`` of §1.9 for fp32 ``x``: ``R = min(lower_bound(c, x), 255)``,
+    ``L = max(R - 1, 0)``.
+
+    ``STEPS = 0``: full 8-probe search over ``cb_ptr`` and two codebook gathers.
+    ``STEPS > 0``: ``table_ptr`` is the packed int64 table of
+    :func:`gefen_kernels.ops._search_table.kernel_table`; the lower bound lies in
+    ``[lo(b), lo(b + 1)]`` for ``b`` the bucket of ``x`` and ``STEPS`` halvings find it (the
+    same index as the full search). With ``STEPS = 1`` a bucket holds at most one codeword,
+    whose value the entry carries: one gather instead of three. ``c[L]`` and ``c[R]`` come
+    from one pair entry.
+    """
+    if STEPS == 0:
         right = tl_codeword_upper(x, cb_ptr)
-    return right
+        left = tl.maximum(right - 1, 0)
+        c_left = tl.load(cb_ptr + left)
+        c_right = tl.load(cb_ptr + right)
+    else:
+        b = _bucket(x)
+        entry = tl.load(table_ptr + b)
+        lo = entry.to(tl.int32)
+        if STEPS == 1:
+            # lo(b + 1) - lo(b) <= 1: the one probe is c[lo] (or +inf for an empty bucket).
+            right = tl.minimum(lo + (_high_float(entry) < x).to(tl.int32), 255)
+        else:
+            hi = tl.load(table_ptr + b + 1).to(tl.int32)
+            for _ in tl.static_range(STEPS):
+                active = lo < hi
+                mid = (lo + hi) >> 1
+                less = tl.load(cb_ptr + tl.minimum(mid, 255)) < x
+                lo = tl.where(active & less, mid + 1, lo)
+                hi = tl.where(active & (less == 0), mid, hi)
+            right = tl.minimum(lo, 255)
+        left = tl.maximum(right - 1, 0)
+        pair = tl.load(table_ptr + (PAIRS_OFFSET + right))
+        c_left = _low_float(pair)
+        c_right = _high_float(pair)
+    return left, right, c_left, c_right
 
 
 @jit
 def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Nearest codeword index (int32) of fp32 ``x``; ties to the lower index; NaN -> 0."""
-    right = tl_codeword_right(x, cb_ptr, table_ptr, STEPS)
-    left = tl.maximum(right - 1, 0)
-    c_left = tl.load(cb_ptr + left)
-    c_right = tl.load(cb_ptr + right)
-    q = tl.where(tl.abs(x - c_left) <= tl.abs(x - c_right), left, right)
+    """Nearest codeword of fp32 ``x``: ``(index (int32), codeword (fp32))``; ties to the lower
+    index; NaN -> 0. The codeword is ``c[index]`` (already loaded: no second gather)."""
+    left, right, c_left, c_right = tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS)
+    pick_left = tl.abs(x - c_left) <= tl.abs(x - c_right)
+    q = tl.where(pick_left, left, right)
+    cq = tl.where(pick_left, c_left, c_right)
     top = tl.load(cb_ptr + 255)
-    q = tl.where(x > top, 255, q)
-    return tl.where(x != x, 0, q)
+    above = x > top
+    q = tl.where(above, 255, q)
+    cq = tl.where(above, top, cq)
+    nan = x != x
+    return tl.where(nan, 0, q), tl.where(nan, tl.load(cb_ptr), cq)
 
 
 @jit
 def tl_sr_uniform(seed_u64, index):
     """§1.9 splitmix64 hash of ``seed + 0x9E3779B97F4A7C15 * (index + 1)`` -> fp32 in [0, 1).
 
-    uint64 arithmetic wraps modulo 2**64 and shifts are logical, as the hash requires.
+    ``index``: int32 or int64 (sign-extended). uint64 arithmetic wraps modulo 2**64 and shifts
+    are logical, as the hash requires.
     """
-    z = seed_u64 + (index.to(tl.uint64, bitcast=True) + 1) * 0x9E3779B97F4A7C15
+    z = seed_u64 + (index.to(tl.int64).to(tl.uint64, bitcast=True) + 1) * 0x9E3779B97F4A7C15
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
     z = z ^ (z >> 31)
@@ -100,19 +134,20 @@ def tl_sr_uniform(seed_u64, index):
 
 @jit
 def tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS: tl.constexpr, seed_u64, index):  # type: ignore[no-untyped-def]
-    """Stochastic rounding (§1.9) of fp32 ``x`` using ``U(seed, index)``; NaN -> 0."""
-    right = tl_codeword_right(x, cb_ptr, table_ptr, STEPS)
-    left = tl.maximum(right - 1, 0)
-    c_left = tl.load(cb_ptr + left)
-    c_right = tl.load(cb_ptr + right)
+    """Stochastic rounding (§1.9) of fp32 ``x`` using ``U(seed, index)``: ``(index (int32),
+    codeword (fp32))``; NaN -> 0."""
+    left, right, c_left, c_right = tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS)
     width = c_right - c_left
     clamped = tl.minimum(tl.maximum(x, c_left), c_right)
     has_width = width > 0
     p_up = tl.where(has_width,
                     tl.math.div_rn(clamped - c_left, tl.where(has_width, width, 1.0)), 0.0)
     u = tl_sr_uniform(seed_u64, index)
-    q = tl.where(u < p_up, right, left)
-    return tl.where(x != x, 0, q)
+    up = u < p_up
+    q = tl.where(up, right, left)
+    cq = tl.where(up, c_right, c_left)
+    nan = x != x
+    return tl.where(nan, 0, q), tl.where(nan, tl.load(cb_ptr), cq)
 
 
 @jit

@@ -332,115 +332,178 @@ def factored_step_reference(
 # Triton: row/column statistics kernel + the shared update kernels of _step_kernels.py
 # --------------------------------------------------------------------------------------------
 
-_STATS_TILE = 4096  # elements of one [RB, CB] tile of the statistics kernel
-_STATS_MAX_CB = 512  # columns per statistics program (row partials: R * ceil(C / 512) floats)
-_STATS_PROGRAMS = 1024  # about 8 programs per SM on a 132-SM H200
-_FINALIZE_BLOCK = 1024  # rows or columns per iteration of the finalize kernel
+# Statistics kernel: one program per (row strip, column split); a split is `tiles_per_split`
+# consecutive [RB, CB] column tiles (one, unless the row partials would exceed their bound).
+_STATS_TILE = 8192  # elements of one [RB, CB] tile: 16 KiB of bf16 in flight per iteration
+_STATS_CB = 256  # columns per tile: one warp's 32 lanes x 8 bf16 (16-byte vectors) per row
+_STATS_PROGRAMS = 2048  # about 15 programs per SM on a 132-SM H200 (short last wave)
+_STATS_MAX_ROW_PROGRAMS = 512  # bounds the column partials the finalize sums per column
+_STATS_MAX_SPLITS = 1024  # bounds the row partials the finalize sums per row
+_STATS_ROW_PART_FLOATS = 1 << 20  # row partials beyond R floats: <= 4 MiB
+_STATS_COL_PART_FLOATS = 1 << 20  # column partials beyond C floats: <= 4 MiB
+# Finalize kernel: [_FIN_SR, _FIN_ROWS] row-partial chunks, [_FIN_SP, _FIN_COLS] column-partial
+# chunks, _FIN_TOTAL block sums of r' per iteration of the last program.
+_FIN_ROWS = 256
+_FIN_SR = 16
+_FIN_COLS = 64
+_FIN_SP = 64
+_FIN_TOTAL = 1024
 
 
 @jit
-def _factored_stats_kernel(g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, n_col_tiles,  # type: ignore[no-untyped-def]
-                           rows_per_program, RB: tl.constexpr, CB: tl.constexpr):
-    """Partial sums of g^2 (fp32) of a ``[rows_per_program, CB]`` strip of a ``[R, C]`` gradient.
+def _factored_stats_kernel(g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows, ncols,  # type: ignore[no-untyped-def]
+                           n_col_tiles, n_splits, tiles_per_split, rows_per_program,
+                           RB: tl.constexpr, CB: tl.constexpr):
+    """Partial sums of g^2 (fp32) of a ``[rows_per_program, tiles_per_split * CB]`` block of a
+    ``[R, C]`` gradient; program ``pid`` is row strip ``pid // n_splits``, split
+    ``pid % n_splits``.
 
-    g_ptr: ``[R, C]`` contiguous (fp32/bf16/fp16). row_part_ptr: fp32 ``[R, n_col_tiles]``
-    (row sums over this program's columns); col_part_ptr: fp32 ``[n_row_programs, C]``
-    (column sums over this program's rows, accumulated in row order). Reduced afterwards in a
-    fixed order, so the result is deterministic (no atomics). The grid depends only on the
-    shape, so the scratch is bounded (``R * n_col_tiles + n_row_programs * C`` floats, a few
-    MiB at most) however many rows there are. Offsets are int64.
+    g_ptr: ``[R, C]`` contiguous (fp32/bf16/fp16). row_part_ptr: fp32 ``[n_splits, R]``, the
+    sum of each row over this split's columns (tile by tile in column order). col_part_ptr:
+    fp32 ``[n_row_programs, C]``, the sum of each column over this strip's rows. ticket_ptr:
+    int32 ``[1]``, zeroed here for the finalize kernel's ticket.
+
+    The column sums accumulate in a ``[RB, CB]`` register tile, reduced across warps once per
+    column tile; with ``CB = 256`` (bf16/fp16: 32 lanes x 16 bytes) each warp holds whole rows,
+    so the per-iteration row sums are warp shuffles only, and they are stored contiguously
+    (``[n_splits, R]``). Later tiles of a split add to the row sums stored by the earlier ones
+    (read back after a CTA barrier; the same program wrote them). Tile offsets are int32, the
+    row base int64, so no offset overflows below ``2**31`` columns. Fixed order, no atomics.
     """
-    pid = tl.program_id(0).to(tl.int64)
-    pr = pid // n_col_tiles
-    pc = pid % n_col_tiles
-    cols = pc * CB + tl.arange(0, CB).to(tl.int64)
-    cmask = cols < ncols
-    col_acc = tl.zeros([CB], dtype=tl.float32)
-    lanes = tl.arange(0, RB).to(tl.int64)
+    pid = tl.program_id(0)
+    pr = pid // n_splits
+    ps = pid % n_splits
+    if pid == 0:
+        tl.store(ticket_ptr, 0)
     first = pr * rows_per_program
     stop = tl.minimum(first + rows_per_program, nrows)
-    start = first
+    t0 = ps * tiles_per_split
+    t_end = tl.minimum(t0 + tiles_per_split, n_col_tiles)
+    lanes = tl.arange(0, RB)
+    lane_offs = lanes.to(tl.int64) * ncols
+    row_part = row_part_ptr + ps.to(tl.int64) * nrows
+    t = t0
     # while, not range(): Triton 3.3's interpreter cannot take a runtime loop bound.
-    while start < stop:
-        rows = start + lanes
-        rmask = rows < stop
-        mask = rmask[:, None] & cmask[None, :]
-        g = tl.load(g_ptr + rows[:, None] * ncols + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        sq = g * g
-        tl.store(row_part_ptr + rows * n_col_tiles + pc, tl.sum(sq, axis=1), mask=rmask)
-        col_acc += tl.sum(sq, axis=0)
-        start += RB
-    tl.store(col_part_ptr + pr * ncols + cols, col_acc, mask=cmask)
+    while t < t_end:
+        cols = t * CB + tl.arange(0, CB)
+        cmask = cols < ncols
+        acc = tl.zeros([RB, CB], dtype=tl.float32)
+        start = first
+        while start < stop:
+            rows = start + lanes
+            rmask = rows < stop
+            base = g_ptr + start.to(tl.int64) * ncols
+            g = tl.load(base + lane_offs[:, None] + cols[None, :],
+                        mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            sq = g * g
+            acc += sq
+            # +0.0 for the first tile of the split: exact, so one store order for every split.
+            prev = tl.load(row_part + rows, mask=rmask & (lanes * 0 + t > t0), other=0.0)
+            tl.store(row_part + rows, prev + tl.sum(sq, axis=1), mask=rmask)
+            start += RB
+        tl.store(col_part_ptr + pr.to(tl.int64) * ncols + cols, tl.sum(acc, axis=0), mask=cmask)
+        # The next tile reads the row sums other threads of this program stored.
+        tl.debug_barrier()
+        t += 1
 
 
 @jit
 def _factored_finalize_kernel(row_part_ptr, col_part_ptr, row_in_ptr, row_out_ptr, col_ptr,  # type: ignore[no-untyped-def]
-                              col_sum_ptr, total_ptr, inv_rbar_ptr, nrows, ncols, n_col_tiles,
-                              n_row_programs, rbar_rows, inv_c, inv_r, b2, omb2,
-                              PHASE: tl.constexpr, BLOCK: tl.constexpr):
-    """Reduce the partials in a fixed order and apply the r/k EMA; program 0 also writes 1/rbar.
+                              col_sum_ptr, total_ptr, inv_rbar_ptr, block_sum_ptr, ticket_ptr,
+                              nrows, ncols, n_splits, n_row_programs, rbar_rows, inv_c, inv_r,
+                              b2, omb2, PHASE: tl.constexpr, FR: tl.constexpr,
+                              SR: tl.constexpr, FC: tl.constexpr, SP: tl.constexpr,
+                              FT: tl.constexpr):
+    """Reduce the partials in a fixed order and apply the r/k EMA, in parallel.
 
-    PHASE 0 (one call): program 0: ``r' = f32(f32(b2 * r) + f32(f32(rowsum * f32(1/C)) *
-    (1 - b2)))`` for every row (the reference's ``_ema``) from ``row_in_ptr`` to
-    ``row_out_ptr`` (both ``r``), then ``1/rbar = f32(1 / max(f32(f32(sum r') /
-    f32(rbar_rows)), FLT_MIN))`` into ``inv_rbar_ptr[0]``. Programs ``1 ..``: ``k'`` for
-    ``BLOCK`` columns each.
-    PHASE 1 (partial, mutates no state): ``r'`` from ``row_in_ptr`` (r) into ``row_out_ptr``
+    Programs ``0 .. cdiv(R, FR) - 1`` own ``FR`` rows each, the others ``FC`` columns each.
+
+    PHASE 0 (one call): a row program computes ``r' = f32(f32(b2 * r) + f32(f32(rowsum *
+    f32(1/C)) * (1 - b2)))`` (the reference's ``_ema``; ``rowsum`` the ``n_splits`` partials of
+    ``row_part_ptr`` ``[n_splits, R]`` summed in ``[SR, FR]`` chunks) from ``row_in_ptr`` to
+    ``row_out_ptr`` (both ``r``) and stores the sum of its block of ``r'`` in
+    ``block_sum_ptr[pid]``; then it takes a ticket (an int32 atomic on ``ticket_ptr``, zeroed by
+    the statistics kernel). The program with the last ticket sums the block sums in index order
+    (so the result does not depend on which program is last) and writes ``1/rbar = f32(1 /
+    max(f32(f32(sum r') / f32(rbar_rows)), FLT_MIN))`` into ``inv_rbar_ptr[0]``. A column
+    program writes ``k'`` from ``col_part_ptr`` ``[n_row_programs, C]`` summed in ``[SP, FC]``
+    chunks.
+    PHASE 1 (partial, mutates no state): as PHASE 0 with ``r'`` into ``row_out_ptr``
     (scratch), ``sum r'`` into ``total_ptr[0]`` and the column sums into ``col_sum_ptr``.
     PHASE 2 (finalize from reduced sums): ``row_in_ptr`` (r') copied to ``row_out_ptr`` (r),
-    ``1/rbar`` from ``total_ptr[0]``, ``k'`` from ``col_sum_ptr``. The arithmetic of each
-    quantity is the PHASE 0 expression, so PHASE 1 + 2 with unreduced sums equal PHASE 0.
+    ``1/rbar`` from ``total_ptr[0]`` by program 0, ``k'`` from ``col_sum_ptr``. Each quantity
+    has the PHASE 0 arithmetic and summation order, so PHASE 1 + 2 with unreduced sums equal
+    PHASE 0 bit for bit.
     """
     pid = tl.program_id(0)
-    lanes = tl.arange(0, BLOCK).to(tl.int64)
-    if pid == 0:
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        start = nrows * 0
-        while start < nrows:
-            idx = start + lanes
-            mask = idx < nrows
-            if PHASE == 2:
-                r_new = tl.load(row_in_ptr + idx, mask=mask, other=0.0)
-            else:
-                total = tl.zeros([BLOCK], dtype=tl.float32)
-                t = n_col_tiles * 0
-                while t < n_col_tiles:
-                    total += tl.load(row_part_ptr + idx * n_col_tiles + t, mask=mask, other=0.0)
-                    t += 1
-                r_new = tl.load(row_in_ptr + idx, mask=mask, other=0.0) * b2 + \
-                    (total * inv_c) * omb2
-                acc += tl.where(mask, r_new, 0.0)
-            tl.store(row_out_ptr + idx, r_new, mask=mask)
-            start += BLOCK
-        if PHASE == 1:
-            tl.store(total_ptr, tl.sum(acc, axis=0))
-        else:
-            if PHASE == 2:
-                r_sum = tl.load(total_ptr)
-            else:
-                r_sum = tl.sum(acc, axis=0)
+    n_row_blocks = tl.cdiv(nrows, FR)
+    if PHASE == 2:
+        if pid == 0:
+            r_sum = tl.load(total_ptr)
             # `rbar_rows` may be the Python int 1 (specialised): the fp32 zero converts it.
             mean = tl.math.div_rn(r_sum, tl.zeros([], dtype=tl.float32) + rbar_rows)
             # NaN-propagating floor, as torch.clamp (GPU max instructions would drop the NaN).
             rbar = tl.where(mean != mean, mean, tl.maximum(mean, 1.1754943508222875e-38))
             tl.store(inv_rbar_ptr, tl.math.div_rn(1.0, rbar))
-    else:
-        idx = (pid - 1).to(tl.int64) * BLOCK + lanes
-        mask = idx < ncols
+    if pid < n_row_blocks:
+        rows = pid * FR + tl.arange(0, FR)
+        rmask = rows < nrows
         if PHASE == 2:
-            total = tl.load(col_sum_ptr + idx, mask=mask, other=0.0)
+            tl.store(row_out_ptr + rows, tl.load(row_in_ptr + rows, mask=rmask), mask=rmask)
         else:
-            total = tl.zeros([BLOCK], dtype=tl.float32)
-            p = n_row_programs * 0
+            row_total = tl.zeros([FR], dtype=tl.float32)
+            j = 0
+            while j < n_splits:
+                js = j + tl.arange(0, SR)
+                row_chunk = tl.load(row_part_ptr + js[:, None] * nrows + rows[None, :],
+                                    mask=(js < n_splits)[:, None] & rmask[None, :], other=0.0)
+                row_total += tl.sum(row_chunk, axis=0)
+                j += SR
+            r_new = tl.load(row_in_ptr + rows, mask=rmask, other=0.0) * b2 + \
+                (row_total * inv_c) * omb2
+            tl.store(row_out_ptr + rows, r_new, mask=rmask)
+            tl.store(block_sum_ptr + pid, tl.sum(tl.where(rmask, r_new, 0.0), axis=0))
+            # Every thread's store above precedes the release of the ticket.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_row_blocks - 1:
+                acc = tl.zeros([FT], dtype=tl.float32)
+                i = 0
+                while i < n_row_blocks:
+                    idx = i + tl.arange(0, FT)
+                    # .cg: from L2, where the other programs' block sums are.
+                    acc += tl.load(block_sum_ptr + idx, mask=idx < n_row_blocks, other=0.0,
+                                   cache_modifier=".cg")
+                    i += FT
+                r_sum = tl.sum(acc, axis=0)
+                if PHASE == 1:
+                    tl.store(total_ptr, r_sum)
+                else:
+                    mean = tl.math.div_rn(r_sum, tl.zeros([], dtype=tl.float32) + rbar_rows)
+                    rbar = tl.where(mean != mean, mean,
+                                    tl.maximum(mean, 1.1754943508222875e-38))
+                    tl.store(inv_rbar_ptr, tl.math.div_rn(1.0, rbar))
+    else:
+        cols = (pid - n_row_blocks) * FC + tl.arange(0, FC)
+        cmask = cols < ncols
+        if PHASE == 2:
+            col_total = tl.load(col_sum_ptr + cols, mask=cmask, other=0.0)
+        else:
+            col_total = tl.zeros([FC], dtype=tl.float32)
+            p = 0
             while p < n_row_programs:
-                total += tl.load(col_part_ptr + p * ncols + idx, mask=mask, other=0.0)
-                p += 1
+                ps = p + tl.arange(0, SP)
+                col_chunk = tl.load(col_part_ptr + ps[:, None] * ncols + cols[None, :],
+                                    mask=(ps < n_row_programs)[:, None] & cmask[None, :],
+                                    other=0.0)
+                col_total += tl.sum(col_chunk, axis=0)
+                p += SP
         if PHASE == 1:
-            tl.store(col_sum_ptr + idx, total, mask=mask)
+            tl.store(col_sum_ptr + cols, col_total, mask=cmask)
         else:
-            k_new = tl.load(col_ptr + idx, mask=mask, other=0.0) * b2 + (total * inv_r) * omb2
-            tl.store(col_ptr + idx, k_new, mask=mask)
+            k_new = tl.load(col_ptr + cols, mask=cmask, other=0.0) * b2 + \
+                (col_total * inv_r) * omb2
+            tl.store(col_ptr + cols, k_new, mask=cmask)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -448,40 +511,74 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def stats_layout(rows: int, cols: int) -> tuple[int, int, int, int, int]:
-    """(RB, CB, n_col_tiles, n_row_programs, rows_per_program) of the statistics kernel for a
-    ``[rows, cols]`` gradient (a function of the shape only, so the sums' order is fixed)."""
+    """(RB, CB, n_splits, n_row_programs, rows_per_program) of the statistics kernel for a
+    ``[rows, cols]`` gradient: ``[RB, CB]`` tiles, ``n_row_programs x n_splits`` programs, each
+    ``rows_per_program`` rows by ``ceil(ceil(cols / CB) / n_splits)`` column tiles. A function
+    of the shape only, so the sums' order is fixed. ``CB`` depends on ``cols`` alone and
+    ``n_splits`` is ``ceil(cols / CB)`` unless ``rows * ceil(cols / CB)`` exceeds 2**20 (or
+    the split count 1024), so the row sums of a row shard equal the whole matrix's bit for bit
+    below those sizes. Scratch: ``n_splits * rows + n_row_programs * cols`` floats, at most
+    ``max(rows, 2**20) + max(cols, 2**20)`` (<= 8 MiB beyond the ``R + C`` of the state)."""
     tile = program_elements(_STATS_TILE)
-    cb = min(_STATS_MAX_CB, 1 << max(0, (cols - 1).bit_length()))
+    cb = min(_STATS_CB, 1 << max(0, (cols - 1).bit_length()))
     rb = max(1, tile // cb)
     n_col_tiles = _cdiv(cols, cb)
-    want = max(1, min(_cdiv(rows, rb), _cdiv(_STATS_PROGRAMS, n_col_tiles)))
+    splits = max(1, min(n_col_tiles, _STATS_MAX_SPLITS, _STATS_ROW_PART_FLOATS // max(rows, 1)))
+    splits = _cdiv(n_col_tiles, _cdiv(n_col_tiles, splits))  # no empty split
+    want = max(1, min(_cdiv(rows, rb), _cdiv(_STATS_PROGRAMS, splits), _STATS_MAX_ROW_PROGRAMS,
+                      _STATS_COL_PART_FLOATS // cols))
     rows_per_program = _cdiv(_cdiv(rows, want), rb) * rb
     n_row_programs = _cdiv(rows, rows_per_program)
-    return rb, cb, n_col_tiles, n_row_programs, rows_per_program
+    return rb, cb, splits, n_row_programs, rows_per_program
+
+
+class _Partials:
+    """Views into the one scratch allocation of a statistics launch (all fp32 but ``ticket``):
+    ``row_part`` ``[n_splits, R]``, ``col_part`` ``[n_row_programs, C]``, ``block_sum``
+    ``[cdiv(R, _FIN_ROWS)]``, ``spare`` ``[1]`` (``1/rbar``), ``ticket`` int32 ``[1]``."""
+
+    __slots__ = ("block_sum", "col_part", "row_part", "spare", "ticket")
+
+    def __init__(self, row_part: Tensor, col_part: Tensor, block_sum: Tensor, spare: Tensor,
+                 ticket: Tensor) -> None:
+        self.row_part, self.col_part, self.block_sum = row_part, col_part, block_sum
+        self.spare, self.ticket = spare, ticket
 
 
 def _stats_partials(grad: Tensor, layout: tuple[int, int, int, int, int] | None = None,
-                    ) -> tuple[Tensor, Tensor, Tensor]:
-    """Row partials fp32 ``[R, n_col_tiles]``, column partials fp32 ``[n_row_programs, C]``
-    of ``g^2``, and one spare fp32 ``[1]`` (for ``1/rbar``), in one scratch allocation."""
+                    ) -> _Partials:
+    """The statistics kernel's partial sums of ``g^2`` (one launch, one allocation)."""
     rows, cols = grad.shape
-    rb, cb, n_col_tiles, n_row_programs, rows_per_program = (
+    rb, cb, splits, n_row_programs, rows_per_program = (
         layout if layout is not None else stats_layout(rows, cols))
-    n_rows_part = rows * n_col_tiles
-    scratch = torch.empty(n_rows_part + n_row_programs * cols + 1, dtype=torch.float32,
-                          device=grad.device)
-    row_part = scratch[:n_rows_part].view(rows, n_col_tiles)
-    col_part = scratch[n_rows_part:n_rows_part + n_row_programs * cols].view(n_row_programs, cols)
-    _factored_stats_kernel[(n_row_programs * n_col_tiles,)](
-        grad, row_part, col_part, rows, cols, n_col_tiles, rows_per_program, RB=rb, CB=cb,
-        num_warps=8, **LAUNCH_OPTIONS)
-    return row_part, col_part, scratch[-1:]
+    n_col_tiles = _cdiv(cols, cb)
+    n_row = splits * rows
+    n_col = n_row_programs * cols
+    n_blocks = _cdiv(rows, _FIN_ROWS)
+    scratch = torch.empty(n_row + n_col + n_blocks + 2, dtype=torch.float32, device=grad.device)
+    parts = _Partials(scratch[:n_row].view(splits, rows),
+                      scratch[n_row:n_row + n_col].view(n_row_programs, cols),
+                      scratch[n_row + n_col:n_row + n_col + n_blocks], scratch[-2:-1],
+                      scratch[-1:].view(torch.int32))
+    _factored_stats_kernel[(n_row_programs * splits,)](
+        grad, parts.row_part, parts.col_part, parts.ticket, rows, cols, n_col_tiles, splits,
+        _cdiv(n_col_tiles, splits), rows_per_program, RB=rb, CB=cb, num_warps=8,
+        **LAUNCH_OPTIONS)
+    return parts
 
 
 def _row_col_sums_triton(grad: Tensor) -> tuple[Tensor, Tensor]:
     """Row and column sums of ``g^2`` (fp32, fixed order) from the statistics kernel."""
-    row_part, col_part, _ = _stats_partials(grad)
-    return row_part.sum(dim=1), col_part.sum(dim=0)
+    parts = _stats_partials(grad)
+    return parts.row_part.sum(dim=0), parts.col_part.sum(dim=0)
+
+
+def _finalize_grid(rows: int, cols: int) -> tuple[int]:
+    return (max(1, _cdiv(rows, _FIN_ROWS) + _cdiv(cols, _FIN_COLS)),)
+
+
+_FIN_CONSTS = dict(FR=_FIN_ROWS, SR=_FIN_SR, FC=_FIN_COLS, SP=_FIN_SP, FT=_FIN_TOTAL,
+                   num_warps=4, **LAUNCH_OPTIONS)
 
 
 def factored_stats_triton(grad: Tensor, exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, *,
@@ -496,14 +593,14 @@ def factored_stats_triton(grad: Tensor, exp_avg_sq_row: Tensor, exp_avg_sq_col: 
     through the summation order of ``sum g^2`` (a few fp32 ulps).
     """
     rows, cols = grad.shape
-    row_part, col_part, inv_rbar = _stats_partials(grad, layout)
+    parts = _stats_partials(grad, layout)
     b2 = f32(beta2)
-    block = _FINALIZE_BLOCK
-    _factored_finalize_kernel[(1 + _cdiv(cols, block),)](
-        row_part, col_part, exp_avg_sq_row, exp_avg_sq_row, exp_avg_sq_col, inv_rbar, inv_rbar,
-        inv_rbar, rows, cols, row_part.shape[1], col_part.shape[0], rows, f32(1.0 / cols),
-        f32(1.0 / rows), b2, f32(1.0 - b2), PHASE=0, BLOCK=block, num_warps=4,
-        **LAUNCH_OPTIONS)
+    inv_rbar = parts.spare
+    _factored_finalize_kernel[_finalize_grid(rows, cols)](
+        parts.row_part, parts.col_part, exp_avg_sq_row, exp_avg_sq_row, exp_avg_sq_col,
+        inv_rbar, inv_rbar, inv_rbar, parts.block_sum, parts.ticket, rows, cols,
+        parts.row_part.shape[0], parts.col_part.shape[0], rows, f32(1.0 / cols),
+        f32(1.0 / rows), b2, f32(1.0 - b2), PHASE=0, **_FIN_CONSTS)
     return inv_rbar
 
 
@@ -515,13 +612,13 @@ def _partial_stats_triton(grad: Tensor, exp_avg_sq_row: Tensor, beta2: float) ->
         out.zero_()
         out[:rows] = exp_avg_sq_row
         return out
-    row_part, col_part, _ = _stats_partials(grad)
+    parts = _stats_partials(grad)
     b2 = f32(beta2)
-    block = _FINALIZE_BLOCK
-    _factored_finalize_kernel[(1 + _cdiv(cols, block),)](
-        row_part, col_part, exp_avg_sq_row, out, out, out[rows:], out[rows + cols:], out, rows,
-        cols, row_part.shape[1], col_part.shape[0], rows, f32(1.0 / cols), f32(1.0 / rows), b2,
-        f32(1.0 - b2), PHASE=1, BLOCK=block, num_warps=4, **LAUNCH_OPTIONS)
+    _factored_finalize_kernel[_finalize_grid(rows, cols)](
+        parts.row_part, parts.col_part, exp_avg_sq_row, out, out, out[rows:],
+        out[rows + cols:], parts.spare, parts.block_sum, parts.ticket, rows, cols,
+        parts.row_part.shape[0], parts.col_part.shape[0], rows, f32(1.0 / cols),
+        f32(1.0 / rows), b2, f32(1.0 - b2), PHASE=1, **_FIN_CONSTS)
     return out
 
 
@@ -533,12 +630,11 @@ def _finalize_triton(exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, stats: Tens
     # An empty row vector may have no storage; with nrows = 0 its pointer is never read.
     row_out = exp_avg_sq_row if rows else stats
     b2 = f32(beta2)
-    block = _FINALIZE_BLOCK
-    _factored_finalize_kernel[(1 + _cdiv(cols, block),)](
+    # The partial, block-sum and ticket pointers are never read in PHASE 2.
+    _factored_finalize_kernel[_finalize_grid(rows, cols)](
         stats, stats, stats, row_out, exp_avg_sq_col, stats[rows:], stats[rows + cols:],
-        inv_rbar, rows, cols, 1, 1, global_rows, f32(1.0 / max(cols, 1)),
-        f32(1.0 / global_rows), b2, f32(1.0 - b2), PHASE=2, BLOCK=block, num_warps=4,
-        **LAUNCH_OPTIONS)
+        inv_rbar, stats, stats, rows, cols, 1, 1, global_rows, f32(1.0 / max(cols, 1)),
+        f32(1.0 / global_rows), b2, f32(1.0 - b2), PHASE=2, **_FIN_CONSTS)
     return inv_rbar
 
 

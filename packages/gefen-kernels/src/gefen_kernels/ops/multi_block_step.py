@@ -20,8 +20,8 @@ from torch import Tensor
 from .._numerics import f32
 from .._triton import jit, program_elements, require_triton, tl, triton
 from ._dispatch import check_device_for_triton, use_triton
-from ._search_table import search_table
-from ._step_kernels import TILE_ELEMENTS, TILE_MAX_PERIOD, _tile_blocks
+from ._search_table import kernel_table
+from ._step_kernels import TILE_ELEMENTS, TILE_MAX_PERIOD, _tile_blocks, needs_int64
 from ._triton_helpers import LAUNCH_OPTIONS
 from .block_step import _check, block_step_reference, block_step_triton
 
@@ -88,13 +88,15 @@ def _multi_tile_kernel(meta_ptr, prog_ptr, cb_ptr, table_ptr, hyper_ptr, seed_pt
                        b1, omb1, b2, omb2, eps,
                        P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BPP: tl.constexpr,
                        P2: tl.constexpr, MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                       STEPS: tl.constexpr):
+                       STEPS: tl.constexpr, OFFS64: tl.constexpr):
     """Tile route over many tensors: program ``pid`` serves tensor ``prog_ptr[pid]``.
 
     meta_ptr: int64 ``[n, 9]`` rows (param, grad, codes, scale, exp_avg_sq addresses;
     num_blocks; period; the tensor's first program; its index into hyper/seeds). prog_ptr:
     int32 ``[programs]``. hyper_ptr: fp32 ``[T, 4]``; seed_ptr: int64 ``[T]``. P_DTYPE,
-    G_DTYPE: element types of params and grads of this group.
+    G_DTYPE: element types of params and grads of this group. OFFS64: int64 offsets (a
+    tensor of the group is near 2**31 elements), else int32. table_ptr: the packed search table
+    (:func:`._search_table.kernel_table`).
     """
     pid = tl.program_id(0)
     row = meta_ptr + tl.load(prog_ptr + pid).to(tl.int64) * 9
@@ -103,9 +105,14 @@ def _multi_tile_kernel(meta_ptr, prog_ptr, cb_ptr, table_ptr, hyper_ptr, seed_pt
     q_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
     s_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    # int32 offsets unless the group holds a tensor near 2**31 elements (OFFS64).
     num_blocks = tl.load(row + 5)
     period = tl.load(row + 6)
     local = pid.to(tl.int64) - tl.load(row + 7)
+    if not OFFS64:
+        num_blocks = num_blocks.to(tl.int32)
+        period = period.to(tl.int32)
+        local = local.to(tl.int32)
     t = tl.load(row + 8)
     lr = tl.load(hyper_ptr + t * 4 + 0)
     bc2 = tl.load(hyper_ptr + t * 4 + 1)
@@ -114,7 +121,7 @@ def _multi_tile_kernel(meta_ptr, prog_ptr, cb_ptr, table_ptr, hyper_ptr, seed_pt
     seed_u = tl.load(seed_ptr + t).to(tl.uint64, bitcast=True)
     _tile_blocks(local, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, s_ptr, s_ptr, s_ptr, cb_ptr,
                  table_ptr, num_blocks, period, 1, b1, omb1, b2, omb2, eps, lr, bc2, bc1,
-                 decay, seed_u, BPP, P2, False, MAXIMIZE, STOCHASTIC, STEPS)
+                 decay, seed_u, BPP, P2, False, MAXIMIZE, STOCHASTIC, STEPS, OFFS64)
 
 
 _TL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -189,7 +196,7 @@ def multi_block_step_triton(
             continue
         p2 = 1 << max(0, (period - 1).bit_length())
         groups.setdefault((p.dtype, grads[i].dtype, p2), []).append(i)
-    table, steps = search_table(codebook)
+    table, steps = kernel_table(codebook)
     b1, b2 = f32(beta1), f32(beta2)
     for (p_dtype, g_dtype, p2), members in groups.items():
         meta, prog, programs, bpp = _group_tables(members, params, grads, codes, scales,
@@ -199,6 +206,7 @@ def multi_block_step_triton(
             f32(eps), P_DTYPE=getattr(tl, _tl_name(p_dtype)), G_DTYPE=getattr(
                 tl, _tl_name(g_dtype)), BPP=bpp, P2=p2, MAXIMIZE=bool(maximize),
             STOCHASTIC=bool(stochastic_round), STEPS=steps,
+            OFFS64=any(needs_int64(*codes[i].shape) for i in members),
             num_warps=8 if bpp * p2 >= 2048 else 4, **LAUNCH_OPTIONS)
 
 

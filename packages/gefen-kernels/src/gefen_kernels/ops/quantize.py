@@ -19,7 +19,7 @@ from .._numerics import to_signed64
 from .._triton import jit, program_elements, require_triton, tl, triton
 from ._dispatch import check_device_for_triton, use_triton
 from ._quant_ref import nearest_codes, sr_uniform_int64, stochastic_codes
-from ._search_table import search_table
+from ._search_table import kernel_table
 from ._triton_helpers import LAUNCH_OPTIONS, tl_quantize_nearest, tl_quantize_stochastic
 
 __all__ = [
@@ -106,7 +106,8 @@ def _quantize_kernel(x_ptr, cb_ptr, table_ptr, out_ptr, numel, seed, offset,  # 
     """Codeword search over a flat tensor.
 
     x_ptr: ``[numel]`` contiguous, fp32/bf16/fp16 (converted to fp32); cb_ptr: fp32 ``[256]``;
-    table_ptr: int32 ``[4097]`` search table (``STEPS`` probes; 0: full search, table unused);
+    table_ptr: int64 ``[4353]`` packed search table (:func:`._search_table.kernel_table`;
+    ``STEPS`` probes; 0: full search, table unused);
     out_ptr: uint8 ``[numel]``. seed, offset: int64 (two's complement of the 64-bit key).
     STOCHASTIC: stochastic rounding with ``U(seed, offset + i)``, else nearest. BLOCK: elements
     per program. Offsets are int64 (tensors may exceed 2**31 elements).
@@ -117,10 +118,10 @@ def _quantize_kernel(x_ptr, cb_ptr, table_ptr, out_ptr, numel, seed, offset,  # 
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if STOCHASTIC:
         seed_u = seed.to(tl.int64).to(tl.uint64, bitcast=True)
-        q = tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS, seed_u,
+        q, _ = tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS, seed_u,
                                    offs + offset.to(tl.int64))
     else:
-        q = tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS)
+        q, _ = tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS)
     tl.store(out_ptr + offs, q.to(tl.uint8), mask=mask)
 
 
@@ -140,7 +141,7 @@ def _launch_quantize(x: Tensor, codebook: Tensor, seed: int, offset: int,
     if n:
         block = program_elements(_QUANT_BLOCK)
         grid = (triton.cdiv(n, block),)
-        table, steps = search_table(codebook) if use_table else (codebook, 0)
+        table, steps = kernel_table(codebook) if use_table else (codebook, 0)
         _quantize_kernel[grid](flat, codebook, table, out.view(-1), n, to_signed64(seed),
                                to_signed64(offset), STOCHASTIC=stochastic, BLOCK=block,
                                STEPS=steps,

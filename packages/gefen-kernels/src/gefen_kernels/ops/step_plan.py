@@ -27,7 +27,7 @@ from torch import Tensor
 from .._numerics import f32, to_signed64
 from .._triton import program_elements, require_triton
 from ._dispatch import check_device_for_triton
-from ._search_table import search_table
+from ._search_table import kernel_table
 from ._step_kernels import (
     LOOP_TILE,
     TILE_ELEMENTS,
@@ -36,6 +36,7 @@ from ._step_kernels import (
     _step_tile_kernel,
     choose_route,
     launch_step,
+    needs_int64,
 )
 from ._triton_helpers import LAUNCH_OPTIONS
 
@@ -100,11 +101,12 @@ class StepPlan:
             self._stats_layout = stats_layout(int(param.shape[0]), self.ncols)
         b1, b2 = f32(beta1), f32(beta2)
         self._floats = (b1, f32(1.0 - b1), b2, f32(1.0 - b2), f32(eps))
-        table, steps = search_table(codebook)
+        table, steps = kernel_table(codebook)
         self._table = table
         consts: dict[str, Any] = dict(
             FACTORED=self.factored, MAXIMIZE=self.maximize, STOCHASTIC=self.stochastic_round,
-            HYPER=capturable, SEED_PTR=capturable, STEPS=steps)
+            HYPER=capturable, SEED_PTR=capturable, STEPS=steps,
+            OFFS64=needs_int64(num_blocks, period))
         if self.route == "tile":
             p2 = _next_pow2(period)
             bpp = max(1, program_elements(TILE_ELEMENTS) // p2)

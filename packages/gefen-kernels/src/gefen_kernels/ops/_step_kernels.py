@@ -121,10 +121,30 @@ def _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE: tl.co
 
 
 @jit
-def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, m, s_new,  # type: ignore[no-untyped-def]
-           sigma_block, ncols, lr, bc2, bc1, decay, eps, seed_u,
-           FACTORED: tl.constexpr, STOCHASTIC: tl.constexpr, STEPS: tl.constexpr):
-    """Normalise, quantise, write codes and (lr != 0) the parameter update for ``offs``."""
+def _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, bc2, bc1, eps,  # type: ignore[no-untyped-def]
+                   FACTORED: tl.constexpr):
+    """The parameter values and (factored mode) the per-element ``V`` and ``sigma`` of
+    ``offs``. Called before the block reduction and the quantisation, so these loads are in
+    flight while they run instead of after them (the tile route is latency-bound otherwise)."""
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    big_v = p  # unused in block mode
+    sigma = p
+    if FACTORED:
+        r = tl.load(row_ptr + offs // ncols, mask=mask, other=0.0)
+        k = tl.load(col_ptr + offs % ncols, mask=mask, other=0.0)
+        big_v = (r * k) * tl.load(inv_rbar_ptr)
+        h = tl.math.sqrt_rn(big_v * bc2)
+        h = h + eps
+        sigma = tl.math.div_rn(1.0, h) * bc1
+    return p, big_v, sigma
+
+
+@jit
+def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma_block, p, big_v,  # type: ignore[no-untyped-def]
+           sigma_elem, lr, decay, seed_u, FACTORED: tl.constexpr, STOCHASTIC: tl.constexpr,
+           STEPS: tl.constexpr):
+    """Normalise, quantise, write codes and (lr != 0) the parameter update for ``offs``;
+    ``p``, ``big_v``, ``sigma_elem`` from :func:`_update_inputs`."""
     positive = s_new > 0
     z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)
     if STOCHASTIC:
@@ -135,18 +155,12 @@ def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs
     if lr != 0.0:
         mhat = codeword * s_new
         if FACTORED:
-            r = tl.load(row_ptr + offs // ncols, mask=mask, other=0.0)
-            k = tl.load(col_ptr + offs % ncols, mask=mask, other=0.0)
-            big_v = (r * k) * tl.load(inv_rbar_ptr)
-            h = tl.math.sqrt_rn(big_v * bc2)
-            h = h + eps
-            sigma = tl.math.div_rn(1.0, h) * bc1
+            sigma = sigma_elem
             # Row or column never had a gradient: exact momentum 0, no update (_numerics).
             mhat = tl.where(big_v == 0.0, 0.0, mhat)
         else:
             sigma = sigma_block
         u = (mhat * sigma) * lr
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         if decay == 1.0:
             # p * 1 is p and p is already in p's dtype: the rounding below is the identity
             # (a NaN p stays NaN; GPU arithmetic canonicalises it in `decayed - u` either way).
@@ -174,6 +188,8 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
     offs = blocks[:, None] * period + cols[None, :]
     s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
     g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
+    p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
+                                          ncols, bc2, bc1, eps, FACTORED)
     s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
     sigma = s_new  # unused in factored mode
     if not FACTORED:
@@ -181,9 +197,8 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
         v_new, sigma = _block_sigma(tl.sum(g * g, axis=1), v_old, period, b2, omb2, eps, bc2,
                                     bc1)
         tl.store(v_ptr + blocks, v_new, mask=bmask)
-    _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, m,
-           s_new[:, None], sigma[:, None], ncols, lr, bc2, bc1, decay, eps, seed_u, FACTORED,
-           STOCHASTIC, STEPS)
+    _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], sigma[:, None], p,
+           big_v, sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
     tl.store(s_ptr + blocks, s_new, mask=bmask)
 
 
@@ -243,9 +258,10 @@ def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
         mask = start + lanes < period
         offs = base + start + lanes
         g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
-        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, m,
-               s_new, sigma, ncols, lr, bc2, bc1, decay, eps, seed_u, FACTORED, STOCHASTIC,
-               STEPS)
+        p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
+                                              ncols, bc2, bc1, eps, FACTORED)
+        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma, p, big_v,
+               sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
         start += TILE
     tl.store(s_ptr + block, s_new)
 
@@ -305,9 +321,10 @@ def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr
         mask = pos < period
         offs = block * period + pos
         g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
-        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, m,
-               s_new, sigma, ncols, lr, bc2, bc1, decay, eps, seed_u, FACTORED, STOCHASTIC,
-               STEPS)
+        p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
+                                              ncols, bc2, bc1, eps, FACTORED)
+        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma, p, big_v,
+               sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
 
 
 def _next_pow2(n: int) -> int:

@@ -327,6 +327,15 @@ def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr
                sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
 
 
+def tile_warps(elements: int) -> int:
+    """Warps of a tile-route program holding ``elements`` elements. Four for the usual
+    2048-element tile: on an H200 (scripts/kernel_sweep.py,
+    docs/results/h200-2026-11-29-run3/kernel_sweep.txt) a [8192, 2048] bf16 step took
+    0.154 ms with 4 warps against 0.187 ms with 8 (block mode) and 0.263 against 0.401 ms
+    (factored); the wider 4096-element tiles keep 8."""
+    return 4 if elements <= 2048 else 8
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -386,7 +395,7 @@ def launch_step(
             hyper_ptr, seed_ptr, num_blocks, period, ncols, b1, f32(1.0 - b1), b2,
             f32(1.0 - b2), f32(eps), scal["lr"], scal["bc2"], scal["bc1"], scal["decay"],
             to_signed64(seed), BPP=bpp, P2=p2, **common, **flags,
-            num_warps=8 if bpp * p2 >= 2048 else 4, **LAUNCH_OPTIONS)
+            num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
     elif route == "loop":
         _step_loop_kernel[(num_blocks,)](
             flat_p, flat_g, codes, scale, v_ptr, row_ptr, col_ptr, inv_ptr, codebook, table,
@@ -427,4 +436,4 @@ def launch_step(
         raise ValueError(f"unknown route {route!r}; expected 'tile', 'loop' or 'split'")
 
 
-__all__ = ["choose_route", "denominator", "launch_step"]
+__all__ = ["choose_route", "denominator", "launch_step", "tile_warps"]

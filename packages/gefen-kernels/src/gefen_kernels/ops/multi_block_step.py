@@ -21,7 +21,13 @@ from .._numerics import f32
 from .._triton import jit, program_elements, require_triton, tl, triton
 from ._dispatch import check_device_for_triton, use_triton
 from ._search_table import kernel_table
-from ._step_kernels import TILE_ELEMENTS, TILE_MAX_PERIOD, _tile_blocks, needs_int64
+from ._step_kernels import (
+    TILE_ELEMENTS,
+    TILE_MAX_PERIOD,
+    _tile_blocks,
+    needs_int64,
+    tile_warps,
+)
 from ._triton_helpers import LAUNCH_OPTIONS
 from .block_step import _check, block_step_reference, block_step_triton
 
@@ -207,7 +213,7 @@ def multi_block_step_triton(
                 tl, _tl_name(g_dtype)), BPP=bpp, P2=p2, MAXIMIZE=bool(maximize),
             STOCHASTIC=bool(stochastic_round), STEPS=steps,
             OFFS64=any(needs_int64(*codes[i].shape) for i in members),
-            num_warps=8 if bpp * p2 >= 2048 else 4, **LAUNCH_OPTIONS)
+            num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
 
 
 def _tl_name(dtype: torch.dtype) -> str:

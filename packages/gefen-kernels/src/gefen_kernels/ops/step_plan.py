@@ -37,6 +37,7 @@ from ._step_kernels import (
     choose_route,
     launch_step,
     needs_int64,
+    tile_warps,
 )
 from ._triton_helpers import LAUNCH_OPTIONS
 
@@ -112,7 +113,7 @@ class StepPlan:
             bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
             self._kernel = _step_tile_kernel
             self._grid: tuple[int, ...] | None = (-(-num_blocks // bpp),)
-            consts.update(BPP=bpp, P2=p2, num_warps=8 if bpp * p2 >= 2048 else 4)
+            consts.update(BPP=bpp, P2=p2, num_warps=tile_warps(bpp * p2))
         elif self.route == "loop":
             self._kernel = _step_loop_kernel
             self._grid = (num_blocks,)

@@ -126,6 +126,33 @@ def test_arch_two_families(tmp_path, capsys: pytest.CaptureFixture[str]) -> None
     assert "PASS" in out
 
 
+def test_step_keeps_measured_rows_when_cut_short(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """An outer timeout (the GPU runs are bounded) must not lose the optimizers measured so
+    far: step.json is rewritten after each one, marked incomplete until the end."""
+    from gefen_bench import step as step_mod
+
+    real = step_mod.run_job
+    calls = []
+
+    def cut_after_first_optimizer(job, **kw):  # type: ignore[no-untyped-def]
+        if job.get("optimizer") is not None:
+            calls.append(job["optimizer"])
+            if len(calls) == 2:
+                raise KeyboardInterrupt  # what the outer timeout's signal amounts to
+        return real(job, **kw)
+
+    monkeypatch.setattr(step_mod, "run_job", cut_after_first_optimizer)
+    code, _, _ = _run(capsys, [
+        "step", "--device", "cpu", "--scale", "tiny", "--models", "gpt2",
+        "--optimizers", "adamw-foreach,gefen", "--steps", "2", "--warmup", "0",
+        "--out", str(tmp_path)])
+    assert code != 0
+    report = json.loads((tmp_path / "step.json").read_text())
+    assert report["complete"] is False
+    assert [r["optimizer"] for r in report["rows"]] == ["adamw-foreach"]
+
+
 def test_step_cpu_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run(capsys, [
         "step", "--device", "cpu", "--scale", "tiny", "--models", "gpt2",
@@ -134,6 +161,7 @@ def test_step_cpu_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, err
     report = json.loads((tmp_path / "step.json").read_text())
     assert report["failed"] == {}
+    assert report["complete"] is True
     rows = {r["optimizer"]: r for r in report["rows"]}
     shapes = shapes_for("gpt2", "tiny")
     adamw = rows["adamw-foreach"]

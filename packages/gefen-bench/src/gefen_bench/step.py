@@ -289,6 +289,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"({bandwidth.get('method', bandwidth.get('error'))})")
     rows: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
+
+    def report(complete: bool) -> dict[str, Any]:
+        return {"device": str(device), "dtype": args.dtype, "scale": args.scale,
+                "models": models, "steps": args.steps, "warmup": args.warmup,
+                "copy_bandwidth": bandwidth, "rows": rows, "skipped": skipped,
+                "failed": failed, "wall_s": time.perf_counter() - start, "complete": complete}
+
     for n in names:
         if n in skipped:
             continue
@@ -308,6 +315,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             failed[n] = f"{out.status}: {out.error}"
             console.print(f"[red]{n} {out.status}[/red]: "
                           + escape(f"{out.error}\n{out.stderr_tail[-3000:]}"))
+        # Rewritten after every optimizer: a run cut short by an outer timeout keeps the rows
+        # measured so far ("complete": false).
+        write_json(args.out / "step.json", "step", report(False), seeds=[0],
+                   argv=getattr(args, "argv", None))
     wall = time.perf_counter() - start
     columns = ["optimizer", "model", "step ms median", "host-issue ms", "first-step ms",
                "state B/param", "alloc-delta B/param", "peak extra MiB",
@@ -322,11 +333,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if halves:
         print_table("state by half (Muon half over Muon-routed params, backup half over the "
                     "rest; whole measured once)", _HALF_COLUMNS, halves)
-    report = {"device": str(device), "dtype": args.dtype, "scale": args.scale,
-              "models": models, "steps": args.steps, "warmup": args.warmup,
-              "copy_bandwidth": bandwidth, "rows": rows, "skipped": skipped, "failed": failed,
-              "wall_s": wall}
-    path = write_json(args.out / "step.json", "step", report, seeds=[0],
+    final = report(True)
+    final["wall_s"] = wall
+    path = write_json(args.out / "step.json", "step", final, seeds=[0],
                       argv=getattr(args, "argv", None))
     console.print(f"wall {wall:.0f} s · JSON: {path.resolve()}")
-    return report
+    return final

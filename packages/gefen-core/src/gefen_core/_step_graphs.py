@@ -18,7 +18,10 @@ identity and the codebook's version) and the address, dtype and strides of every
 parameter and state tensor equal those at capture. Otherwise the step runs its launches
 eagerly and remembers the new addresses; only a second step in a row with the same addresses
 captures. A loop whose gradients move every step therefore never captures, and pays one address
-comparison per tensor. Set ``GEFEN_CUDA_GRAPHS=0`` to always launch eagerly.
+comparison per tensor. A capture goes through :class:`torch.cuda.graph`, which synchronises the
+device and returns the allocator's cached blocks first: cheap once, but a loop whose addresses
+settle for two steps and then move, over and over, pays it each time. Set
+``GEFEN_CUDA_GRAPHS=0`` to always launch eagerly.
 """
 
 from __future__ import annotations

@@ -278,7 +278,9 @@ def _fused_gefen(*args: Any, **kwargs: Any) -> None:
     Both give the same bits: the plans make the launches the ops make.
     """
     if _plans_apply(args[0]):
-        _planned_gefen(*args, **kwargs)
+        # Triton launches on the current device's stream: make it the tensors' device.
+        with torch.cuda.device(args[0][0].device):
+            _planned_gefen(*args, **kwargs)
     else:
         _run("fused", *args, batched=True, **kwargs)
 
@@ -456,6 +458,7 @@ def _graphed_step(
         plans.append(_plan_for(param, *state, codebook, options))
         tensors.append(param)
         tensors.extend(state)
+    tensors.append(codebook)
     # host rows are (lr, bc1_recip, bc2, decay); the kernels' device layout is
     # [lr, bc2, bc1_recip, decay].
     rows = [(lr, bc2, bc1, decay) for lr, bc1, bc2, decay in host]

@@ -123,7 +123,11 @@ def write_json(path: Path, command: str, payload: dict[str, Any], *,
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {"schema": f"gefen-bench/{command}/1",
                 "meta": run_metadata(seeds=seeds, argv=argv), **payload}
-    path.write_text(json.dumps(_jsonable(document), indent=1, allow_nan=False) + "\n")
+    # Write beside and rename: a run killed mid-write (the GPU jobs are bounded by timeouts)
+    # leaves the previous complete file, never a truncated one.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_jsonable(document), indent=1, allow_nan=False) + "\n")
+    os.replace(tmp, path)
     return path
 
 

@@ -109,28 +109,29 @@ def test_a_moved_parameter_is_not_written_through_a_stale_graph(
     assert _graph_of(opt) is None
 
 
-def _train_loop(monkeypatch: pytest.MonkeyPatch, graphs: bool) -> list[torch.Tensor]:
-    """A real loop: forward, backward, step, ``zero_grad(set_to_none=True)``: gradients are
-    freed and re-allocated every step, so whether addresses repeat is the allocator's call."""
-    monkeypatch.setenv("GEFEN_CUDA_GRAPHS", "1" if graphs else "0")
+def test_training_loop_with_freed_gradients_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real loop (forward, backward, step, ``zero_grad(set_to_none=True)``): autograd frees
+    and re-allocates the gradients every step, so whether addresses repeat is the allocator's
+    call. A twin optimizer steps a copy of the parameters eagerly from clones of the same
+    gradients, in lockstep; the two must stay bit-identical."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
                                 torch.nn.Linear(256, 256), torch.nn.GELU(),
                                 torch.nn.Linear(256, 10)).cuda()
+    twin = [p.detach().clone().requires_grad_() for p in model.parameters()]
     opt = Gefen(model.parameters(), lr=1e-3, weight_decay=0.1)
+    eager = Gefen(twin, lr=1e-3, weight_decay=0.1)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(12):
         x = torch.randn(32, 64, device="cuda", generator=gen)
         y = torch.randint(0, 10, (32,), device="cuda", generator=gen)
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        for p, q in zip(model.parameters(), twin):
+            q.grad = p.grad.clone()
+        monkeypatch.setenv("GEFEN_CUDA_GRAPHS", "1")
         opt.step()
+        monkeypatch.setenv("GEFEN_CUDA_GRAPHS", "0")
+        eager.step()
         opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def test_training_loop_with_freed_gradients_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    eager = _train_loop(monkeypatch, graphs=False)
-    graphed = _train_loop(monkeypatch, graphs=True)
-    for a, b in zip(eager, graphed):
-        assert torch.equal(a, b)
+        for p, q in zip(model.parameters(), twin):
+            assert torch.equal(p, q)

@@ -24,6 +24,9 @@ compare and subtract exactly the codewords the codebook holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
@@ -47,16 +50,23 @@ def build_search_table(codebook: Tensor) -> tuple[Tensor, int]:
     return table, max(1, widest.bit_length())
 
 
-def search_table(codebook: Tensor) -> tuple[Tensor, int]:
-    """Cached table for ``codebook``; ``(codebook, 0)`` means "use the full search"."""
-    hit = _CACHE.get(codebook)
+def _cached(cache: Any, build: Callable[[Tensor], tuple[Tensor, int]],
+            codebook: Tensor) -> tuple[Tensor, int]:
+    """``build(codebook)`` cached per codebook tensor and version; ``(codebook, 0)`` ("use the
+    full search") while a CUDA graph is being captured and nothing is cached yet."""
+    hit = cache.get(codebook)
     if hit is not None and hit[0] == codebook._version:
         return hit[1], hit[2]
     if codebook.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return codebook, 0
-    table, steps = build_search_table(codebook)
-    _CACHE[codebook] = (codebook._version, table, steps)
+    table, steps = build(codebook)
+    cache[codebook] = (codebook._version, table, steps)
     return table, steps
+
+
+def search_table(codebook: Tensor) -> tuple[Tensor, int]:
+    """Cached table for ``codebook``; ``(codebook, 0)`` means "use the full search"."""
+    return _cached(_CACHE, build_search_table, codebook)
 
 
 def _bits(values: Tensor) -> Tensor:
@@ -80,11 +90,4 @@ def build_kernel_table(codebook: Tensor) -> tuple[Tensor, int]:
 
 def kernel_table(codebook: Tensor) -> tuple[Tensor, int]:
     """Cached packed table for ``codebook``; ``(codebook, 0)`` means "use the full search"."""
-    hit = _KERNEL_CACHE.get(codebook)
-    if hit is not None and hit[0] == codebook._version:
-        return hit[1], hit[2]
-    if codebook.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return codebook, 0
-    table, steps = build_kernel_table(codebook)
-    _KERNEL_CACHE[codebook] = (codebook._version, table, steps)
-    return table, steps
+    return _cached(_KERNEL_CACHE, build_kernel_table, codebook)

@@ -46,6 +46,7 @@ from ._step_kernels import (
     _momentum,
     _next_pow2,
     _step_partial_kernel,
+    _sweep_block,
     choose_route,
     needs_int64,
 )
@@ -115,18 +116,8 @@ def _muon_loop_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, table_ptr, seed_ptr, u_ptr, p
     base = block * period
     lanes = tl.arange(0, TILE).to(tl.int64)
     s_old = tl.load(s_ptr + block)
-    acc_max = tl.zeros([TILE], dtype=tl.float32)
-    acc_nan = tl.zeros([TILE], dtype=tl.int32)
-    # while, not range(): the interpreter of older Tritons cannot take a runtime loop bound.
-    start = period * 0
-    while start < period:
-        mask = start + lanes < period
-        offs = base + start + lanes
-        g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b, omb, MAXIMIZE)
-        acc_max = tl.maximum(acc_max, tl.where(mask, tl.abs(m), 0.0))
-        acc_nan = acc_nan | (mask & (m != m)).to(tl.int32)
-        start += TILE
-    s_new = tl_nan_max(acc_max, acc_nan, 0)
+    s_new, _ = _sweep_block(g_ptr, q_ptr, cb_ptr, base, lanes, period, s_old, b, omb, MAXIMIZE,
+                            TILE)
     seed_u = _load_seed(seed_ptr, seed, SEED_PTR)
     start = period * 0
     while start < period:

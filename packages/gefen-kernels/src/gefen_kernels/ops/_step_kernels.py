@@ -121,6 +121,28 @@ def _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE: tl.co
 
 
 @jit
+def _sweep_block(g_ptr, q_ptr, cb_ptr, base, lanes, period, s_old, b1, omb1,  # type: ignore[no-untyped-def]
+                 MAXIMIZE: tl.constexpr, TILE: tl.constexpr):
+    """First sweep of the loop routes (Gefen and Muon): the block's new scale ``max |m|``
+    (NaN-propagating) and ``sum g^2``, over ``period`` elements from ``base`` in ``TILE``
+    steps. The second sweep recomputes ``m`` (from L2) instead of holding the block."""
+    acc_max = tl.zeros([TILE], dtype=tl.float32)
+    acc_nan = tl.zeros([TILE], dtype=tl.int32)
+    acc_sq = tl.zeros([TILE], dtype=tl.float32)
+    # while, not range(): Triton 3.3's interpreter cannot take a runtime loop bound.
+    start = period * 0
+    while start < period:
+        mask = start + lanes < period
+        offs = base + start + lanes
+        g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
+        acc_max = tl.maximum(acc_max, tl.where(mask, tl.abs(m), 0.0))
+        acc_nan = acc_nan | (mask & (m != m)).to(tl.int32)
+        acc_sq += g * g
+        start += TILE
+    return tl_nan_max(acc_max, acc_nan, 0), tl.sum(acc_sq, axis=0)
+
+
+@jit
 def _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, bc2, bc1, eps,  # type: ignore[no-untyped-def]
                    FACTORED: tl.constexpr):
     """The parameter values and (factored mode) the per-element ``V`` and ``sigma`` of
@@ -233,23 +255,11 @@ def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
     lanes = _index(tl.arange(0, TILE), OFFS64)
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
     s_old = tl.load(s_ptr + block)
-    acc_max = tl.zeros([TILE], dtype=tl.float32)
-    acc_nan = tl.zeros([TILE], dtype=tl.int32)
-    acc_sq = tl.zeros([TILE], dtype=tl.float32)
-    # while, not range(): Triton 3.3's interpreter cannot take a runtime loop bound.
-    start = period * 0
-    while start < period:
-        mask = start + lanes < period
-        offs = base + start + lanes
-        g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
-        acc_max = tl.maximum(acc_max, tl.where(mask, tl.abs(m), 0.0))
-        acc_nan = acc_nan | (mask & (m != m)).to(tl.int32)
-        acc_sq += g * g
-        start += TILE
-    s_new = tl_nan_max(acc_max, acc_nan, 0)
+    s_new, sumsq = _sweep_block(g_ptr, q_ptr, cb_ptr, base, lanes, period, s_old, b1, omb1,
+                                MAXIMIZE, TILE)
     sigma = s_new
     if not FACTORED:
-        v_new, sigma = _block_sigma(tl.sum(acc_sq, axis=0), tl.load(v_ptr + block), period,
+        v_new, sigma = _block_sigma(sumsq, tl.load(v_ptr + block), period,
                                     b2, omb2, eps, bc2, bc1)
         tl.store(v_ptr + block, v_new)
     seed_u = _load_seed(seed_ptr, seed, SEED_PTR)

@@ -234,6 +234,13 @@ def plot_train(path: Path, lm: dict[str, dict[str, Any]], digits: dict[str, dict
     src = lm or digits
     bars(axes[1][2], {n: r["state"]["bytes_per_param"] for n, r in src.items()},
          "optimizer state", "bytes/param")
+    return save_figure(fig, title, path)
+
+
+def save_figure(fig: Any, title: str, path: Path) -> Path:
+    """Title, lay out and write a matplotlib figure as a PNG (parents created), then close it."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from .data import digits_splits, load_digits_splits
 from .measure import MemoryMeter, synchronize
 from .models import DigitsCNN, warmup_cosine
 from .presets import DigitsConfig
+from .report import save_figure
 from .state_bytes import state_bytes_per_param
 
 DIGITS_MODELS = ("cnn", "mlp")
@@ -212,9 +213,4 @@ def plot_digits(path: Path, results: dict[str, dict[str, dict[str, Any]]], title
                    xlabel="epoch", ylabel="%", ylim=(min(90.0, lowest - 2), 100.5))
         for ax in row:
             ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, title, path)

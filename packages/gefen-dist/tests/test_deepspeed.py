@@ -201,7 +201,8 @@ def _full_params(engine) -> list[torch.Tensor]:
 
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
-        return [p.detach().clone().float() for p in params]
+        # On the CPU: ranks return these to the parent, which compares ranks with each other.
+        return [p.detach().float().cpu() for p in params]
 
 
 def _train(engine, data) -> list[float]:

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist_models import batches, full_params, make_model, shard, train
 
@@ -38,8 +39,13 @@ def _gpu_worker(rank: int, world: int, tmp: str, factored: bool) -> dict:
     dcp.save({"model": model.state_dict(), "optim": state},
              checkpoint_id=os.path.join(tmp, "sync"), planner=planner)
     state2 = GefenDCPState(model, opt)
+    # The save's background thread runs collectives while the training thread steps (whose
+    # ShardedGefen agreement checks use the default group's gloo side): as torch's async
+    # recipe does, the checkpoint gets its own group, or the two threads' collectives on one
+    # gloo group interleave differently on each rank and deadlock (seen on two GPUs).
+    ckpt_group = dist.new_group(backend="gloo")
     fut = dcp.async_save({"model": model.state_dict(), "optim": state2},
-                         checkpoint_id=os.path.join(tmp, "async"),
+                         checkpoint_id=os.path.join(tmp, "async"), process_group=ckpt_group,
                          planner=state2.save_planner(), async_stager=state2.async_stager())
     train(model, opt, data[K:])   # training continues while the async write runs
     fut.result()

@@ -243,6 +243,13 @@ class GefenDCPState(Stateful):
         """An ``AsyncStager`` for ``dcp.async_save`` that copies ordinary tensors to the CPU
         and keeps this state's placeholders (whose data is already a CPU snapshot).
 
+        On more than one rank, also pass ``async_save`` a process group of its own
+        (``process_group=dist.new_group(backend="gloo")``, made once on every rank): the
+        save's background thread runs collectives while training steps, and a sharded
+        optimizer's step runs its agreement collectives on the default group meanwhile; two
+        threads sharing one gloo group can interleave differently per rank and hang until
+        the collective timeout.
+
         Raises:
             RuntimeError: the installed torch's ``dcp.async_save`` has no ``async_stager``
                 argument (torch 2.7, for one); use ``dcp.save`` (optionally with

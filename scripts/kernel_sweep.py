@@ -5,7 +5,9 @@
 For Llama-shaped bf16 matrices (``[8192, 2048]``: tile route, one 2048-element block per
 row; ``[2048, 8192]``: loop route) in block and factored mode, times one planned step
 (:class:`gefen_kernels.ops.step_plan.StepPlan`, CUDA events, median of 50) for several
-``num_warps`` / blocks-per-program settings, the factored statistics alone, and a
+``num_warps`` / blocks-per-program / ``maxnreg`` settings (a register cap trades spills for
+resident warps: ``tests/compile_check.py --resources`` in gefen-kernels prints each
+configuration's registers and spills without a GPU), the factored statistics alone, and a
 ``copy_`` of the same bytes, and prints the effective bandwidth at 8 B/param. Results do not
 depend on these settings (only speed does): the sweep is for choosing them.
 """
@@ -72,11 +74,14 @@ def _case(shape: tuple[int, int], factored: bool) -> None:
         print(f"  statistics + finalize alone: {ms:.3f} ms ({2 * n / ms / 1e6:.0f} GB/s of grad)")
     base = dict(plan._consts)
     grid = plan._grid
-    variants: list[tuple[int, int]] = [(w, 1) for w in (4, 8, 16)]
+    variants: list[tuple[int, int, int | None]] = [(w, 1, None) for w in (4, 8, 16)]
     if plan.route == "tile":
-        variants += [(w, 2) for w in (4, 8, 16)]
-    for warps, bpp_mult in variants:
+        variants += [(w, 2, None) for w in (4, 8, 16)]
+    variants += [(base.get("num_warps", 4), 1, cap) for cap in (96, 80, 64)]
+    for warps, bpp_mult, cap in variants:
         consts = dict(base, num_warps=warps)
+        if cap is not None:
+            consts["maxnreg"] = cap
         if plan.route == "tile":
             consts["BPP"] = base["BPP"] * bpp_mult
             plan._grid = (-(-rows // consts["BPP"]),)
@@ -87,7 +92,8 @@ def _case(shape: tuple[int, int], factored: bool) -> None:
 
         ms = _time(step)
         print(
-            f"  num_warps={warps:2d} BPP={consts.get('BPP', '-')}: {ms:.3f} ms, "
+            f"  num_warps={warps:2d} BPP={consts.get('BPP', '-')} maxnreg={cap or '-'}: "
+            f"{ms:.3f} ms, "
             f"{8 * n / ms / 1e6:.0f} GB/s at 8 B/param ({copy_ms / ms:.0%} of copy)"
         )
     plan._consts, plan._grid = base, grid

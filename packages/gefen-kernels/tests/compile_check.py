@@ -15,6 +15,13 @@ Usage (from ``packages/gefen-kernels``)::
 
     python tests/compile_check.py                 # front end + TTIR/TTGIR passes (default)
     python tests/compile_check.py --stage cubin   # all the way to a cubin (needs ptxas)
+    python tests/compile_check.py --resources     # cubin + registers, spills, occupancy
+
+``--resources`` reads each cubin's resource usage with ``cuobjdump --dump-resource-usage``
+(shipped with Triton) and prints, per configuration, registers per thread, spill bytes and the
+warps per SM that the register file allows (64K 32-bit registers and at most 64 resident
+warps per SM on sm_90; shared memory not counted): the occupancy side of a latency-bound
+kernel, without a GPU. The counts are this Triton's; another version may allocate differently.
 
 Exit status 0 when every configuration compiles; otherwise the failures are printed.
 ``tests/test_compile_check.py`` runs it in a subprocess (the test session itself interprets).
@@ -104,8 +111,9 @@ class Launch:
         return f"{self.kernel.__name__} {const} {self.options}"
 
 
-def compile_launch(launch: Launch, stage: str) -> None:
-    """Compile ``launch`` for sm_90 up to ``stage``; raises the compiler's error."""
+def compile_launch(launch: Launch, stage: str) -> Any:
+    """Compile ``launch`` for sm_90 up to ``stage``; raises the compiler's error. Returns the
+    compiled kernel at stage ``cubin``, else ``None``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource, make_backend
@@ -114,8 +122,7 @@ def compile_launch(launch: Launch, stage: str) -> None:
     src = ASTSource(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs,
                     attrs=launch.attrs)
     if stage == "cubin":
-        triton.compile(src, target=target, options=dict(launch.options))
-        return
+        return triton.compile(src, target=target, options=dict(launch.options))
     from triton._C.libtriton import ir
 
     backend = make_backend(target)
@@ -369,12 +376,54 @@ def scenarios() -> Iterator[Callable[[], None]]:
     _search_table._CACHE.clear()
 
 
+REGISTERS_PER_SM = 65536  # sm_90 register file, 32-bit registers
+MAX_WARPS_PER_SM = 64
+
+
+def resource_usage(compiled: Any) -> dict[str, int]:
+    """Registers per thread and spill (stack) bytes of a compiled kernel's cubin."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    cuobjdump = knobs.nvidia.cuobjdump.path
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], check=True,
+                             capture_output=True, text=True).stdout
+    return parse_resource_usage(out)
+
+
+def parse_resource_usage(text: str) -> dict[str, int]:
+    """``{"reg": ..., "stack": ..., "shared": ..., "local": ...}`` from cuobjdump's
+    ``--dump-resource-usage`` text (one kernel per cubin)."""
+    import re
+
+    fields = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {k.lower(): int(v) for k, v in fields.items()}
+
+
+def resident_warps(regs: int, num_warps: int) -> int:
+    """Warps per SM the register file allows for programs of ``num_warps`` warps (registers
+    are allocated per warp in units of 256, i.e. per thread rounded up to 8)."""
+    per_warp = -(-max(regs, 1) // 8) * 8 * 32
+    programs = min(REGISTERS_PER_SM // (per_warp * num_warps), MAX_WARPS_PER_SM // num_warps)
+    return programs * num_warps
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", choices=STAGES, default="ttgir",
                         help="last compiler stage to run (default: ttgir; cubin needs ptxas)")
     parser.add_argument("--list", action="store_true", help="print each configuration")
+    parser.add_argument("--resources", action="store_true",
+                        help="compile to cubin and print registers, spills and register-limited "
+                             "warps per SM of every distinct configuration")
     args = parser.parse_args(argv)
+    if args.resources:
+        args.stage = "cubin"
     import triton
 
     launches = record_launches(scenarios())
@@ -383,9 +432,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.list:
             print(launch.describe(), flush=True)
         try:
-            compile_launch(launch, args.stage)
+            compiled = compile_launch(launch, args.stage)
         except Exception as exc:  # report every failing configuration, not just the first
             failures.append((launch, exc))
+            continue
+        if args.resources:
+            use = resource_usage(compiled)
+            warps = int(launch.options.get("num_warps", 4))
+            print(f"regs {use.get('reg', 0):3d}  spill {use.get('stack', 0):3d} B  "
+                  f"warps/SM {resident_warps(use.get('reg', 0), warps):2d}  "
+                  f"{launch.describe()}", flush=True)
     kernels = sorted({launch.kernel.__name__ for launch in launches})
     print(f"triton {triton.__version__}: compiled {len(launches)} configurations of "
           f"{len(kernels)} kernels ({', '.join(kernels)}) to {args.stage} for sm_90; "

@@ -47,3 +47,20 @@ def test_every_kernel_compiles_for_sm90() -> None:
                    "_quantize_kernel", "_muon_tile_kernel", "_muon_loop_kernel",
                    "_muon_apply_kernel"):
         assert kernel in report, f"{kernel} was never launched by the scenarios:\n{report}"
+
+
+def test_resource_report_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--resources``' parsing of cuobjdump's text and its register-limited warps per SM
+    (64K registers per SM, allocated per warp in units of 256, at most 64 warps)."""
+    # Importing the script sets TRITON_INTERPRET=0 for its own process: undo it here.
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", ""))
+    monkeypatch.syspath_prepend(str(HERE))
+    import compile_check as cc
+    text = ("Resource usage:\n Function _step_tile_kernel:\n  REG:111 STACK:0 SHARED:16 "
+            "LOCAL:0 CONSTANT[0]:504 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
+    assert cc.parse_resource_usage(text) == {"reg": 111, "stack": 0, "shared": 16, "local": 0}
+    assert cc.resident_warps(111, 4) == 16  # 112 * 32 * 4 = 14336 registers per program
+    assert cc.resident_warps(80, 4) == 24
+    assert cc.resident_warps(81, 4) == 20  # rounds up to 88 per thread
+    assert cc.resident_warps(32, 4) == 64  # register file allows 128: the 64-warp cap binds
+    assert cc.resident_warps(255, 8) == 8  # 256 * 32 * 8: the whole file, one program

@@ -381,3 +381,37 @@ def test_capabilities_point_fsdp2_users_to_the_sharded_classes():
     for cls in (GefenMuon, GefenMuonHybrid):
         with pytest.raises(UnsupportedCombinationError, match="ShardedGefenMuon"):
             check_capabilities(cls, layout=Layout.FSDP2_SHARD0)
+
+
+def _gather_worker(rank: int, world: int) -> dict:
+    """``_gather_full`` against ``full_tensor()``: uneven and empty shards, three dtypes, a
+    replicated DTensor (fallback), a 1-row matrix, and a byte budget small enough to split
+    the list into several buckets (and to give one matrix a bucket of its own)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from gefen_dist import sharded_muon
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(0)  # same full tensors on every rank
+    specs = [((5, 3), torch.float32, Shard(0)), ((2, 4), torch.float32, Shard(0)),
+             ((7, 2), torch.bfloat16, Shard(0)), ((1, 6), torch.float32, Shard(0)),
+             ((4, 4), torch.float32, Replicate()), ((64, 8), torch.float32, Shard(0)),
+             ((3, 3), torch.float16, Shard(0))]
+    fulls = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype, _ in specs]
+    dts = [distribute_tensor(t, mesh, [pl]) for t, (_, _, pl) in zip(fulls, specs)]
+    sharded_muon._GATHER_BUCKET_BYTES = 200  # (64, 8) fp32 alone is 2048 bytes
+    buckets = sharded_muon._gather_buckets(dts)
+    got = sharded_muon._gather_full(dts, mesh.get_group())
+    return {"equal": [torch.equal(a, b) and a.is_contiguous() for a, b in zip(got, fulls)],
+            "dtypes_kept": [a.dtype == b.dtype for a, b in zip(got, fulls)],
+            "local_rows": [d.to_local().shape[0] for d in dts], "buckets": len(buckets)}
+
+
+def test_bucketed_gather_equals_full_tensor():
+    res = run_distributed(_gather_worker, 3, timeout=120, collective_timeout=60)
+    for r in res:
+        assert all(r["equal"]) and all(r["dtypes_kept"]), r
+        assert r["buckets"] >= 4, r
+    # Rows 5, 2, 7 over 3 ranks: chunks of 2, 1, 3 with a short or empty last shard.
+    assert [r["local_rows"][:3] for r in res] == [[2, 1, 3], [2, 1, 3], [1, 0, 1]]

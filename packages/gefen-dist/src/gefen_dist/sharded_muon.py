@@ -4,7 +4,8 @@ Newton–Schulz orthogonalises a *whole* matrix; FSDP2 (``fully_shard``) leaves 
 ``Shard(0)`` row block of it. :class:`ShardedGefenMuon` is :class:`gefen_core.GefenMuon` plus
 the collectives of the three ``sharded_mode`` values (§4.8, per param group):
 
-* ``"exact"`` (default): every rank all-gathers the full gradient of every matrix each step and
+* ``"exact"`` (default): every rank all-gathers the full gradient of every matrix each step
+  (consecutive matrices share one all-gather, up to 256 MiB of full gradients) and
   runs the whole pipeline of §4.3 (quantized momentum with the full tensor's period and the
   shared codebook, Nesterov, Newton–Schulz, NorMuon, cautious) on the full matrix. The
   momentum state is full-size and identical on every rank (replicated, ~1 byte per *global*
@@ -12,10 +13,11 @@ the collectives of the three ``sharded_mode`` values (§4.8, per param group):
   into its shard, ``c = ceil(R / W)`` (DTensor's ``torch.chunk`` rule; a shard may be empty).
 * ``"distributed"`` ("parallel Muon"): the distributed-mode matrices are listed in group order
   (also those without a gradient); matrix ``j`` is owned by rank ``j mod W``. Gradient-bearing
-  matrices go in buckets of ``W``: every rank all-gathers each gradient of the bucket, the owner
-  runs the pipeline on its matrices, and broadcasts the update ``O`` in the Newton–Schulz dtype
-  (bf16); every rank writes its rows. Only owners hold momentum (and NorMuon) state; the other
-  ranks keep the matrix's ``period`` (an int), so every rank takes the same decisions.
+  matrices go in the same gather buckets: every rank all-gathers the bucket's gradients, each
+  owner runs the pipeline on the bucket's matrices it owns, and one all-gather delivers every
+  update ``O`` in the Newton–Schulz dtype (bf16) to every rank, which writes its rows. Only
+  owners hold momentum (and NorMuon) state; the other ranks keep the matrix's ``period`` (an
+  int), so every rank takes the same decisions.
 * ``"approx"``: each rank runs the pipeline on its local row block only (period, codebook and
   Newton–Schulz of the block), with no collectives. The update is not the orthogonalisation
   of the full matrix; the deviation grows with the world size (``README.md`` has figures).
@@ -35,12 +37,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from gefen_core import Gefen
 from gefen_core.hybrid import GefenMuonHybrid
@@ -83,6 +85,83 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
+# Full gradients assembled per all-gather in exact and distributed mode. One collective per
+# matrix (DTensor.full_tensor) costs a redistribute's host overhead each (~1 ms per matrix
+# with two ranks, profiled on gloo), which dominated the step; the budget bounds the
+# transient memory the bigger collectives hold (one matrix may exceed it alone).
+_GATHER_BUCKET_BYTES = 256 << 20
+
+
+def _gather_buckets(grads: list[DTensor]) -> list[list[int]]:
+    """Indices of ``grads`` in consecutive runs of one dtype and device whose full sizes add
+    up to at most :data:`_GATHER_BUCKET_BYTES` (a larger gradient is a run of its own)."""
+    buckets: list[list[int]] = []
+    size = 0
+    key: Any = None
+    for i, g in enumerate(grads):
+        nbytes = g.numel() * g.element_size()
+        k = (g.dtype, g.device)
+        if not buckets or k != key or size + nbytes > _GATHER_BUCKET_BYTES:
+            buckets.append([])
+            size, key = 0, k
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def _row_sharded(g: DTensor) -> bool:
+    """``g`` is laid out by DTensor's ``Shard(0)`` chunk rule (a strided shard is not)."""
+    return len(g.placements) == 1 and type(g.placements[0]) is Shard and g.placements[0].dim == 0
+
+
+def _gather_full(grads: list[DTensor], group: Any) -> list[Tensor]:
+    """The full tensors of DTensor gradients (collective over ``group``; every rank passes
+    the same global shapes and placements in the same order).
+
+    ``Shard(0)`` gradients go in buckets (:func:`_gather_buckets`), one
+    ``all_gather_into_tensor`` each: every rank sends its shard padded to the chunk of
+    ``ceil(R / W)`` rows, so rank ``k``'s rows land at ``[k·c, (k+1)·c)`` of the gathered
+    buffer. Other placements fall back to ``full_tensor()``. Returns contiguous tensors in
+    the order given; the values are the shards' values, so the result equals
+    ``full_tensor()`` bit for bit.
+    """
+    world = dist.get_world_size(group)
+    out: dict[int, Tensor] = {}
+    sharded = [i for i, g in enumerate(grads) if _row_sharded(g)]
+    for bucket in _gather_buckets([grads[i] for i in sharded]):
+        members = [sharded[b] for b in bucket]
+        chunks = []
+        for i in members:
+            shape = grads[i].shape
+            row = math.prod(shape[1:])
+            chunks.append(-(-shape[0] // world) * row)
+        total = sum(chunks)
+        first = grads[members[0]].to_local()
+        send = torch.empty(total, dtype=first.dtype, device=first.device)
+        offset = 0
+        for i, n in zip(members, chunks, strict=True):
+            local = grads[i].to_local()
+            if local.numel():
+                send.narrow(0, offset, local.numel()).copy_(local.reshape(-1))
+            offset += n
+        recv = torch.empty(world * total, dtype=send.dtype, device=send.device)
+        dist.all_gather_into_tensor(recv, send, group=group)
+        per_rank = recv.view(world, total)
+        offset = 0
+        for i, n in zip(members, chunks, strict=True):
+            shape = grads[i].shape
+            if n == 0:
+                out[i] = send.new_empty(shape)
+                continue
+            stacked = per_rank.narrow(1, offset, n).reshape(-1, *shape[1:])
+            out[i] = stacked[:shape[0]].contiguous()
+            offset += n
+    for i, g in enumerate(grads):
+        if i not in out:
+            out[i] = g.full_tensor()
+    return [out[i] for i in range(len(grads))]
+
+
 def _mesh_group(distributed_mesh: Any, where: str) -> Any:
     if distributed_mesh is None:
         return None
@@ -121,9 +200,10 @@ class ShardedGefenMuon(GefenMuon):
 
     Memory per matrix ``R × C`` on each of ``W`` ranks (state; ``P`` the period):
     exact ``R·C·(1 + 4/P)`` bytes; distributed the same on the owner, 0 elsewhere; approx the
-    local rows' ``(R/W)·C·(1 + 4/P)``. Exact and distributed also hold one full gradient (and
-    the full update) transiently per matrix being processed; on the step that learns the
-    codebook every full gradient is gathered at once.
+    local rows' ``(R/W)·C·(1 + 4/P)``. Transiently, exact mode holds the full gradients of one
+    gather bucket (consecutive matrices up to 256 MiB, or one larger matrix) and the full
+    update of the matrix being processed; distributed mode the full gradients of ``W``
+    matrices; on the step that learns the codebook every full gradient is gathered at once.
 
     Raises:
         ValueError: a DTensor whose placements are not exactly ``(Shard(0),)``; DTensors on
@@ -329,14 +409,19 @@ class ShardedGefenMuon(GefenMuon):
                 local_items.append(e)
         full: dict[int, Tensor] = {}
 
-        def gathered(e: Entry) -> Entry:
-            group, p, _, name = e
-            g = full.pop(id(p), None)  # a gradient gathered for codebook learning, used once
-            if g is None:
+        def gathered(items: list[Entry]) -> list[Entry]:
+            """The entries with their full gradients (collective: the same items, in the same
+            order, on every rank). A gradient gathered for codebook learning is used once."""
+            missing = [e for e in items if id(e[1]) not in full]
+            grads = []
+            for _, p, _, _ in missing:
                 grad = p.grad
                 assert _is_dtensor(grad)
-                g = grad.full_tensor()  # all-gather (collective)
-            return group, p, g, name
+                grads.append(grad)
+            if grads:
+                full.update(zip((id(e[1]) for e in missing), _gather_full(grads, group_pg),
+                                strict=True))
+            return [(group, p, full.pop(id(p)), name) for group, p, _, name in items]
 
         if local_items:
             # approx (never mixed with the global modes): GefenMuon on the local blocks.
@@ -347,8 +432,8 @@ class ShardedGefenMuon(GefenMuon):
         if self._codebook is None and (exact_items or dist_items):
             # The codebook is learned from the full gradients, so it is the single-process one
             # and identical on every rank; all ranks take the same skip decision (O9).
-            for e in exact_items + dist_items:
-                full[id(e[1])] = gathered(e)[2]
+            for e in gathered(exact_items + dist_items):
+                full[id(e[1])] = e[2]
             learned = None
             with agreed("ShardedGefenMuon codebook learning", group=group_pg):
                 learned = self._prepare([(g, p, full[id(p)], n)
@@ -356,19 +441,22 @@ class ShardedGefenMuon(GefenMuon):
             if learned is None:
                 return
         if exact_items:
-            # One full gradient at a time. A rank whose pipeline fails keeps joining the
-            # remaining gathers and reports at the end, so its peers never wait on it.
+            # One bucket of full gradients at a time (_GATHER_BUCKET_BYTES). A rank whose
+            # pipeline fails keeps joining the remaining gathers and reports at the end, so
+            # its peers never wait on it.
             error: Exception | None = None
-            for e in exact_items:
-                entry = gathered(e)
+            exact_grads = [cast(DTensor, p.grad) for _, p, _, _ in exact_items]
+            for bucket in _gather_buckets(exact_grads):
+                entries_full = gathered([exact_items[i] for i in bucket])
                 if error is not None:
                     continue
                 try:
-                    stepped = self._prepare([entry])
+                    stepped = self._prepare(entries_full)
                     assert stepped is not None  # the codebook exists: nothing is skipped
                     self._run(stepped)
                 except Exception as exc:  # noqa: BLE001 - agreed below, raised on every rank
                     error = exc
+                del entries_full
             agree(error, "ShardedGefenMuon exact-mode pipeline", group=group_pg)
         if dist_items:
             self._run_distributed(dist_items, gathered)
@@ -384,18 +472,24 @@ class ShardedGefenMuon(GefenMuon):
             o = self._orthogonalise(u, group)
             self._finish(p, g, o, group, lr)
 
-    def _run_distributed(self, items: list[Entry], gathered: Callable[[Entry], Entry]) -> None:
-        """The owner pipeline of §4.8 in buckets of ``W`` gradient-bearing matrices."""
-        world, rank = self._world(), self._rank()
+    def _run_distributed(self, items: list[Entry],
+                         gathered: Callable[[list[Entry]], list[Entry]]) -> None:
+        """The owner pipeline of §4.8, over gather buckets of gradient-bearing matrices
+        (:func:`_gather_buckets`; matrix ownership stays ``j mod W``, so each rank runs the
+        pipeline on the bucket's matrices it owns, in parallel with the other owners). The
+        updates of a bucket are then exchanged in one all-gather, in the Newton–Schulz dtype:
+        the same values a broadcast from each owner delivers."""
+        rank = self._rank()
         owners = self._owners()
-        for start in range(0, len(items), world):
-            bucket = [gathered(e) for e in items[start:start + world]]
+        grads = [cast(DTensor, p.grad) for _, p, _, _ in items]
+        for bucket in _gather_buckets(grads):
+            entries = gathered([items[i] for i in bucket])
             outs: dict[int, Tensor] = {}
             stepped: list[Entry] | None = None
             with agreed("ShardedGefenMuon distributed-mode pipeline", group=self._dist_group):
                 # Every rank runs the period gate (full gradients are identical everywhere),
                 # so all agree on what is stepped; only owners touch momentum.
-                stepped = self._prepare(bucket)
+                stepped = self._prepare(entries)
                 assert stepped is not None
                 for group, p, g, name in stepped:
                     if owners[id(p)] != rank:
@@ -404,20 +498,49 @@ class ShardedGefenMuon(GefenMuon):
                     o = self._post_ns(p, g, self._orthogonalise(u, group), group)
                     outs[id(p)] = o.to(self._ns_dtype).contiguous()
             assert stepped is not None
-            for group, p, g, _ in stepped:
-                owner = owners[id(p)]
-                buf = outs.get(id(p))
-                if buf is None:
-                    buf = torch.empty(tuple(p.shape), dtype=self._ns_dtype, device=g.device)
-                dist.broadcast(buf, src=self._global_rank(owner), group=self._dist_group)
+            updates = self._exchange_updates(stepped, outs, owners)
+            del entries
+            for group, p, _, _ in stepped:
                 lr = group["lr"] if group["capturable"] else self._host_lr(group["lr"])
-                self._apply_update(p, buf, group, lr)
+                self._apply_update(p, updates[id(p)], group, lr)
             for _, p, _, _ in stepped:
                 if owners[id(p)] != rank:
                     # Non-owners keep only the period (geometry, agreed by every rank).
                     st = self.state.get(p, {})
                     for key in _MOMENTUM_KEYS:
                         st.pop(key, None)
+
+    def _exchange_updates(self, stepped: list[Entry], outs: dict[int, Tensor],
+                          owners: dict[int, int]) -> dict[int, Tensor]:
+        """Every stepped matrix's full update ``O`` on every rank (collective): each rank
+        sends its owned updates, concatenated in ``stepped`` order and padded to the largest
+        rank's total, in one ``all_gather_into_tensor``."""
+        world, rank = self._world(), self._rank()
+        if not stepped:
+            return {}
+        device = stepped[0][2].device
+        totals = [0] * world
+        for _, p, _, _ in stepped:
+            totals[owners[id(p)]] += p.numel()
+        width = max(totals)
+        send = torch.empty(width, dtype=self._ns_dtype, device=device)
+        offset = 0
+        for _, p, _, _ in stepped:
+            if owners[id(p)] == rank:
+                o = outs[id(p)]
+                send.narrow(0, offset, o.numel()).copy_(o.reshape(-1))
+                offset += o.numel()
+        recv = torch.empty(world * width, dtype=self._ns_dtype, device=device)
+        dist.all_gather_into_tensor(recv, send, group=self._dist_group)
+        per_rank = recv.view(world, width)
+        offsets = [0] * world
+        updates: dict[int, Tensor] = {}
+        for _, p, _, _ in stepped:
+            owner = owners[id(p)]
+            n = p.numel()
+            updates[id(p)] = per_rank[owner].narrow(0, offsets[owner], n).view(tuple(p.shape))
+            offsets[owner] += n
+        return updates
 
     # ------------------------------------------------------------------ checkpoints
     def _indexed(self) -> list[tuple[dict[str, Any], Tensor, str]]:

@@ -551,3 +551,24 @@ def test_cuda_graph_capture_gpu(period: int) -> None:
     assert torch.equal(param, ref_p)
     for key in ref:
         assert torch.equal(live[key], ref[key])
+
+
+def test_int64_offsets_follow_the_launch_tiles() -> None:
+    """``needs_int64`` bounds every offset a program forms, so a launch with a wider split or
+    loop tile than the defaults (the tests' routes) must switch to int64 sooner."""
+    from gefen_kernels.ops._step_kernels import SPLIT_ELEMENTS, needs_int64
+
+    period = 1 << 12
+    # Largest block count the default tiles keep on int32 (binary search: the bound is
+    # monotone in the block count).
+    lo, hi = 0, (1 << 31) // period
+    assert not needs_int64(lo, period) and needs_int64(hi, period)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if not needs_int64(mid, period) else (lo, mid)
+    nb = lo
+    assert needs_int64(nb + 1, period)
+    assert needs_int64(nb, period, loop_tile=1 << 22)
+    assert needs_int64(nb, period, split_elements=64 * SPLIT_ELEMENTS)
+    assert not needs_int64(nb, period, split_elements=SPLIT_ELEMENTS // 2)
+    assert not needs_int64(1, 1) and needs_int64(1 << 31, 1)

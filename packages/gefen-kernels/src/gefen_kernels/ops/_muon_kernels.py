@@ -201,7 +201,8 @@ def launch_muon_momentum(
         _step_partial_kernel[(num_blocks * num_splits,)](
             flat_g, codes, scale, codebook, part_max, part_max, period, num_splits, b, omb,
             SPLIT=split_elements, TILE=tile, FACTORED=True, MAXIMIZE=bool(maximize),
-            OFFS64=needs_int64(num_blocks, period), num_warps=8, **LAUNCH_OPTIONS)
+            OFFS64=needs_int64(num_blocks, period, split_elements=split_elements,
+                               loop_tile=loop_tile), num_warps=8, **LAUNCH_OPTIONS)
         s_new = part_max.amax(dim=1)  # NaN-propagating, order-independent
         _muon_apply_kernel[(num_blocks * num_splits,)](
             flat_g, codes, scale, s_new, codebook, table, seed_ptr, flat_u, period, num_splits,

@@ -68,11 +68,15 @@ def _index(x, OFFS64: tl.constexpr):  # type: ignore[no-untyped-def]
         return x
 
 
-def needs_int64(num_blocks: int, period: int) -> bool:
+def needs_int64(num_blocks: int, period: int, *, split_elements: int = SPLIT_ELEMENTS,
+                loop_tile: int = LOOP_TILE) -> bool:
     """Whether a ``[num_blocks, period]`` launch needs int64 offsets: any offset a program
     forms, masked lanes included (a tile's last blocks, a loop's or split's last tile),
-    could pass 2**31 - 1."""
-    return (num_blocks + TILE_ELEMENTS + 2) * max(period, 1) + 4 * SPLIT_ELEMENTS >= 2**31
+    could pass 2**31 - 1. ``split_elements`` and ``loop_tile``: the launch's own (tests pass
+    other values than the defaults); the tile is the widest a program gets here."""
+    tile = max(program_elements(TILE_ELEMENTS), loop_tile)
+    slack = 4 * max(SPLIT_ELEMENTS, split_elements, loop_tile)
+    return (num_blocks + tile + 2) * max(period, 1) + slack >= 2**31
 
 
 @jit
@@ -387,7 +391,7 @@ def launch_step(
     hyper_ptr = hyper if hyper is not None else dummy
     seed_ptr = seed_tensor if seed_tensor is not None else dummy
     table, steps = kernel_table(codebook) if use_table else (codebook, 0)
-    offs64 = needs_int64(num_blocks, period)
+    offs64 = needs_int64(num_blocks, period, split_elements=split_elements, loop_tile=loop_tile)
     flags = dict(HYPER=hyper is not None, SEED_PTR=seed_tensor is not None, STEPS=steps,
                  OFFS64=offs64)
     v_ptr = exp_avg_sq if exp_avg_sq is not None else dummy

@@ -23,13 +23,12 @@ pin-memory DataLoader thread allocating meanwhile is not affected), at most
 ``_MAX_CAPTURES`` times per step list. A loop whose gradients move every step therefore never
 captures, and pays one address comparison per tensor.
 
-Opt-in: set ``GEFEN_CUDA_GRAPHS=1``. Replayed steps were bit-identical to eager ones on an
-H200 for static, alternating and strided gradients (``tests/test_step_graphs_gpu.py``) when
-capture still went through :class:`torch.cuda.graph`, whose entry synchronises the device and
-flushes the allocator's caches; the side-stream capture above replaced it after that run and
-has not run on a GPU yet. It stays off by default until both are measured in training loops
-whose gradients are freed and re-allocated every step (``zero_grad(set_to_none=True)``), where
-the allocator decides whether addresses repeat.
+Opt-in: set ``GEFEN_CUDA_GRAPHS=1``. With this side-stream capture, replayed steps were
+bit-identical to eager ones on H200s for static, alternating and strided gradients and in a
+training loop that frees its gradients every step (``tests/test_step_graphs_gpu.py``; the
+two-GPU release gate of 2026-11-29). That loop checks bits, not how often it replays. It stays
+off by default until replay rates and step times are measured in real loops with
+``zero_grad(set_to_none=True)``, where the allocator decides whether addresses repeat.
 """
 
 from __future__ import annotations

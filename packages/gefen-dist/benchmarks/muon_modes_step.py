@@ -43,7 +43,7 @@ NO_NVLS = {
 }
 
 
-def _model(layers: int, device: str) -> Any:
+def _model(layers: int, device: str, shrink: int = 1) -> Any:
     import torch
     from torch import nn
 
@@ -51,7 +51,8 @@ def _model(layers: int, device: str) -> Any:
         def __init__(self) -> None:
             super().__init__()
             for name, shape in SHAPES.items():
-                setattr(self, name, nn.Parameter(torch.randn(shape) * 0.02))
+                rows, cols = (max(1, d // shrink) for d in shape)
+                setattr(self, name, nn.Parameter(torch.randn(rows, cols) * 0.02))
 
     torch.manual_seed(0)
     model = nn.Module()
@@ -89,7 +90,8 @@ def _summary(times: list[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
 
 
-def _worker(rank: int, world: int, layers: int, warmup: int, steps: int, device: str) -> dict:
+def _worker(rank: int, world: int, layers: int, warmup: int, steps: int, device: str,
+            shrink: int = 1) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -102,7 +104,7 @@ def _worker(rank: int, world: int, layers: int, warmup: int, steps: int, device:
         torch.cuda.set_device(rank)
     out: dict[str, Any] = {"modes": {}}
     for mode in MODES:
-        model = _model(layers, device)
+        model = _model(layers, device, shrink)
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
@@ -121,7 +123,7 @@ def _worker(rank: int, world: int, layers: int, warmup: int, steps: int, device:
         if device == "cuda":
             torch.cuda.empty_cache()
     if rank == 0:
-        model = _model(layers, device)
+        model = _model(layers, device, shrink)
         params = list(model.parameters())
         gen = torch.Generator(device=device).manual_seed(1)
         grads = [
@@ -147,6 +149,14 @@ def main() -> None:
         default="cuda",
         help="cpu: gloo, a functional smoke of this script, not a figure",
     )
+    ap.add_argument(
+        "--shrink",
+        type=int,
+        default=1,
+        help="divide every matrix dimension by this: with a large value the step is host "
+        "overhead (Python, dispatch, collectives' host side), measurable on the CPU",
+    )
+    ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. a commit)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     os.environ.update(NO_NVLS)  # inherited by the spawned ranks before they import torch
@@ -168,6 +178,7 @@ def main() -> None:
         args.warmup,
         args.steps,
         args.device,
+        args.shrink,
         backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
         timeout=900,
         collective_timeout=600,
@@ -179,7 +190,8 @@ def main() -> None:
         "benchmark": "ShardedGefenMuon step per sharded_mode",
         "command": "python packages/gefen-dist/benchmarks/muon_modes_step.py "
         f"--world {args.world} --layers {args.layers} --warmup {args.warmup} "
-        f"--steps {args.steps} --device {args.device}",
+        f"--steps {args.steps} --device {args.device} --shrink {args.shrink}",
+        "label": args.label,
         "world": args.world,
         "layers": args.layers,
         "params": res["params"],

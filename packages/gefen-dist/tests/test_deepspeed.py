@@ -201,8 +201,9 @@ def _full_params(engine) -> list[torch.Tensor]:
 
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
-        # On the CPU: ranks return these to the parent, which compares ranks with each other.
-        return [p.detach().float().cpu() for p in params]
+        # Copies on the CPU: ranks return these to the parent, which compares ranks with each
+        # other (and a CPU fp32 parameter must not be aliased by a no-op .cpu()).
+        return [p.detach().to("cpu", torch.float32, copy=True) for p in params]
 
 
 def _train(engine, data) -> list[float]:

@@ -88,8 +88,11 @@ def _resume_matches(model, opt, make_opt, data) -> bool:
 
 def _modes_worker(rank: int, world: int, device: str = "cpu") -> dict:
     """``device="cuda"``: one GPU per rank; the single-process reference runs on this rank's
-    GPU, so both sides use the same kernels on the same device type."""
-    from gefen_dist import ShardedGefenMuon
+    GPU, so both sides use the same kernels on the same device type. The gather budget is cut
+    to a few matrices, so exact and distributed mode run several buckets per step."""
+    from gefen_dist import ShardedGefenMuon, sharded_muon
+
+    sharded_muon._GATHER_BUCKET_BYTES = 4096
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -402,7 +405,7 @@ def _gather_worker(rank: int, world: int) -> dict:
     dts = [distribute_tensor(t, mesh, [pl]) for t, (_, _, pl) in zip(fulls, specs)]
     sharded_muon._GATHER_BUCKET_BYTES = 200  # (64, 8) fp32 alone is 2048 bytes
     buckets = sharded_muon._gather_buckets(dts)
-    got = sharded_muon._gather_full(dts, mesh.get_group())
+    got = sharded_muon._gather_full(dts)
     return {"equal": [torch.equal(a, b) and a.is_contiguous() for a, b in zip(got, fulls)],
             "dtypes_kept": [a.dtype == b.dtype for a, b in zip(got, fulls)],
             "local_rows": [d.to_local().shape[0] for d in dts], "buckets": len(buckets)}
@@ -415,3 +418,28 @@ def test_bucketed_gather_equals_full_tensor():
         assert r["buckets"] >= 4, r
     # Rows 5, 2, 7 over 3 ranks: chunks of 2, 1, 3 with a short or empty last shard.
     assert [r["local_rows"][:3] for r in res] == [[2, 1, 3], [2, 1, 3], [1, 0, 1]]
+
+
+def _mesh_mismatch_worker(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gefen_dist import ShardedGefenMuon
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = torch.nn.Linear(8, 6, bias=False)
+    fully_shard(model, mesh=mesh["shard"])
+    try:
+        ShardedGefenMuon(model.parameters(), distributed_mesh=dist.group.WORLD)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_distributed_mesh_must_be_the_matrices_mesh():
+    """A ``distributed_mesh`` spanning other ranks than the mesh the matrices are sharded over
+    (here the world, with the matrices sharded over 2 of 4 ranks) is refused at construction:
+    the gathers, ownership and update exchange would otherwise disagree about the layout."""
+    res = run_distributed(_mesh_mismatch_worker, 4, timeout=180, collective_timeout=90)
+    for msg in res:
+        assert "distributed_mesh spans ranks [0, 1, 2, 3]" in msg, msg

@@ -5,7 +5,7 @@ Newton–Schulz orthogonalises a *whole* matrix; FSDP2 (``fully_shard``) leaves 
 the collectives of the three ``sharded_mode`` values (§4.8, per param group):
 
 * ``"exact"`` (default): every rank all-gathers the full gradient of every matrix each step
-  (consecutive matrices share one all-gather, up to 256 MiB of full gradients) and
+  (consecutive matrices share one all-gather, up to 128 MiB of full gradients) and
   runs the whole pipeline of §4.3 (quantized momentum with the full tensor's period and the
   shared codebook, Nesterov, Newton–Schulz, NorMuon, cautious) on the full matrix. The
   momentum state is full-size and identical on every rank (replicated, ~1 byte per *global*
@@ -86,21 +86,26 @@ def _local(t: Tensor) -> Tensor:
 
 
 # Full gradients assembled per all-gather in exact and distributed mode. One collective per
-# matrix (DTensor.full_tensor) costs a redistribute's host overhead each (~1 ms per matrix
-# with two ranks, profiled on gloo), which dominated the step; the budget bounds the
-# transient memory the bigger collectives hold (one matrix may exceed it alone).
-_GATHER_BUCKET_BYTES = 256 << 20
+# matrix (DTensor.full_tensor) costs a redistribute's host overhead each, which dominated the
+# step (docs/decisions.md); the budget bounds the transient memory of the bigger collectives
+# (one matrix may exceed it alone). A bucket holds its send buffer (1/W of it), the receive
+# buffer and the assembled full gradients at once: about (2 + 1/W) x the budget at its peak.
+_GATHER_BUCKET_BYTES = 128 << 20
+
+# torch >= 2.9 names the one-tensor all-gather all_gather_single (all_gather_into_tensor then
+# warns); the floor only has the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _gather_buckets(grads: list[DTensor]) -> list[list[int]]:
-    """Indices of ``grads`` in consecutive runs of one dtype and device whose full sizes add
-    up to at most :data:`_GATHER_BUCKET_BYTES` (a larger gradient is a run of its own)."""
+    """Indices of ``grads`` in consecutive runs of one dtype, device and mesh whose full sizes
+    add up to at most :data:`_GATHER_BUCKET_BYTES` (a larger gradient is a run of its own)."""
     buckets: list[list[int]] = []
     size = 0
     key: Any = None
     for i, g in enumerate(grads):
         nbytes = g.numel() * g.element_size()
-        k = (g.dtype, g.device)
+        k = (g.dtype, g.device, g.device_mesh)
         if not buckets or k != key or size + nbytes > _GATHER_BUCKET_BYTES:
             buckets.append([])
             size, key = 0, k
@@ -114,38 +119,47 @@ def _row_sharded(g: DTensor) -> bool:
     return len(g.placements) == 1 and type(g.placements[0]) is Shard and g.placements[0].dim == 0
 
 
-def _gather_full(grads: list[DTensor], group: Any) -> list[Tensor]:
-    """The full tensors of DTensor gradients (collective over ``group``; every rank passes
-    the same global shapes and placements in the same order).
+def _gather_full(grads: list[DTensor]) -> list[Tensor]:
+    """The full tensors of DTensor gradients (collective over each gradient's mesh; every
+    rank passes the same global shapes, placements and meshes in the same order).
 
-    ``Shard(0)`` gradients go in buckets (:func:`_gather_buckets`), one
-    ``all_gather_into_tensor`` each: every rank sends its shard padded to the chunk of
-    ``ceil(R / W)`` rows, so rank ``k``'s rows land at ``[k·c, (k+1)·c)`` of the gathered
-    buffer. Other placements fall back to ``full_tensor()``. Returns contiguous tensors in
-    the order given; the values are the shards' values, so the result equals
-    ``full_tensor()`` bit for bit.
+    ``Shard(0)`` gradients go in buckets (:func:`_gather_buckets`), one all-gather each over
+    their mesh: every rank sends its shard padded to the chunk of ``ceil(R / W)`` rows, so
+    rank ``k``'s rows land at ``[k·c, (k+1)·c)`` of the gathered buffer. Other placements
+    fall back to ``full_tensor()``. Returns contiguous tensors in the order given; the values
+    are the shards' values, so the result equals ``full_tensor()`` bit for bit.
+
+    Raises:
+        gefen_dist.CollectiveCheckError: on every rank of the mesh, when a rank could not
+            allocate or fill a bucket's buffers (out of memory, say) before its all-gather.
     """
-    world = dist.get_world_size(group)
     out: dict[int, Tensor] = {}
     sharded = [i for i, g in enumerate(grads) if _row_sharded(g)]
     for bucket in _gather_buckets([grads[i] for i in sharded]):
         members = [sharded[b] for b in bucket]
+        mesh = grads[members[0]].device_mesh
+        group, world = mesh.get_group(), mesh.size()
         chunks = []
         for i in members:
             shape = grads[i].shape
             row = math.prod(shape[1:])
             chunks.append(-(-shape[0] // world) * row)
         total = sum(chunks)
-        first = grads[members[0]].to_local()
-        send = torch.empty(total, dtype=first.dtype, device=first.device)
-        offset = 0
-        for i, n in zip(members, chunks, strict=True):
-            local = grads[i].to_local()
-            if local.numel():
-                send.narrow(0, offset, local.numel()).copy_(local.reshape(-1))
-            offset += n
-        recv = torch.empty(world * total, dtype=send.dtype, device=send.device)
-        dist.all_gather_into_tensor(recv, send, group=group)
+        send = recv = None
+        # A rank failing here (the buffers are the bucket's size) must not leave the others
+        # waiting in the all-gather.
+        with agreed("ShardedGefenMuon gradient gather buffers", group=group):
+            first = grads[members[0]].to_local()
+            send = torch.empty(total, dtype=first.dtype, device=first.device)
+            offset = 0
+            for i, n in zip(members, chunks, strict=True):
+                local = grads[i].to_local()
+                if local.numel():
+                    send.narrow(0, offset, local.numel()).copy_(local.reshape(-1))
+                offset += n
+            recv = torch.empty(world * total, dtype=send.dtype, device=send.device)
+        assert send is not None and recv is not None
+        _all_gather_single(recv, send, group=group)
         per_rank = recv.view(world, total)
         offset = 0
         for i, n in zip(members, chunks, strict=True):
@@ -200,18 +214,21 @@ class ShardedGefenMuon(GefenMuon):
 
     Memory per matrix ``R × C`` on each of ``W`` ranks (state; ``P`` the period):
     exact ``R·C·(1 + 4/P)`` bytes; distributed the same on the owner, 0 elsewhere; approx the
-    local rows' ``(R/W)·C·(1 + 4/P)``. Transiently, exact mode holds the full gradients of one
-    gather bucket (consecutive matrices up to 256 MiB, or one larger matrix) and the full
-    update of the matrix being processed; distributed mode the full gradients of ``W``
-    matrices; on the step that learns the codebook every full gradient is gathered at once.
+    local rows' ``(R/W)·C·(1 + 4/P)``. Transiently, exact and distributed mode gather the full
+    gradients of consecutive matrices in buckets of up to 128 MiB (or one larger matrix): the
+    send and receive buffers and the assembled gradients peak at about ``(2 + 1/W)`` times the
+    bucket. Exact mode adds the full update of the matrix being processed. Distributed mode
+    adds the bucket's updates, in the Newton–Schulz dtype, exchanged with every rank's part
+    padded to the largest owner's. On the step that learns the codebook every full gradient is
+    gathered at once.
 
     Raises:
         ValueError: a DTensor whose placements are not exactly ``(Shard(0),)``; DTensors on
             different meshes; DTensor and plain parameters mixed (the plain ones' gradients
             would have to be replicated identically, which FSDP2 does not guarantee); approx
             groups mixed with exact/distributed groups on DTensors (the codebook is shared by
-            all groups: rank-local under approx, global otherwise); and every ``GefenMuon``
-            error.
+            all groups: rank-local under approx, global otherwise); a ``distributed_mesh``
+            spanning other ranks than the matrices' mesh; and every ``GefenMuon`` error.
         TypeError: ``distributed_mesh`` of another type.
         gefen_dist.CollectiveCheckError: in :meth:`step` and :meth:`load_state_dict`, on every
             rank, when a check or a rank-local computation failed on some rank, or the ranks
@@ -267,6 +284,17 @@ class ShardedGefenMuon(GefenMuon):
                 raise ValueError(
                     f"ShardedGefenMuon: parameter {name!r} is on another device mesh than the "
                     "first DTensor parameter; use one optimizer per mesh")
+        explicit = getattr(self, "_dist_group", None)
+        if mesh is not None and explicit is not None:
+            # Ownership, the update exchange and the row slices all assume the optimizer's
+            # group is the matrices' mesh.
+            want = sorted(dist.get_process_group_ranks(mesh.get_group()))
+            got = sorted(dist.get_process_group_ranks(explicit))
+            if want != got:
+                raise ValueError(
+                    f"ShardedGefenMuon: distributed_mesh spans ranks {got}, but the matrices "
+                    f"are sharded over ranks {want}; pass the mesh fully_shard used (for HSDP "
+                    "mesh['shard']) or None")
         if kinds == {"plain", "dtensor"}:
             raise ValueError(
                 "ShardedGefenMuon: mixes DTensor and plain parameters; shard every matrix with "
@@ -419,8 +447,7 @@ class ShardedGefenMuon(GefenMuon):
                 assert _is_dtensor(grad)
                 grads.append(grad)
             if grads:
-                full.update(zip((id(e[1]) for e in missing), _gather_full(grads, group_pg),
-                                strict=True))
+                full.update(zip((id(e[1]) for e in missing), _gather_full(grads), strict=True))
             return [(group, p, full.pop(id(p)), name) for group, p, _, name in items]
 
         if local_items:
@@ -531,7 +558,7 @@ class ShardedGefenMuon(GefenMuon):
                 send.narrow(0, offset, o.numel()).copy_(o.reshape(-1))
                 offset += o.numel()
         recv = torch.empty(world * width, dtype=self._ns_dtype, device=device)
-        dist.all_gather_into_tensor(recv, send, group=self._dist_group)
+        _all_gather_single(recv, send, group=self._dist_group)
         per_rank = recv.view(world, width)
         offsets = [0] * world
         updates: dict[int, Tensor] = {}

@@ -25,10 +25,11 @@ captures, and pays one address comparison per tensor.
 
 Opt-in: set ``GEFEN_CUDA_GRAPHS=1``. With this side-stream capture, replayed steps were
 bit-identical to eager ones on H200s for static, alternating and strided gradients and in a
-training loop that frees its gradients every step (``tests/test_step_graphs_gpu.py``; the
-two-GPU release gate of 2026-11-29). That loop checks bits, not how often it replays. It stays
-off by default until replay rates and step times are measured in real loops with
-``zero_grad(set_to_none=True)``, where the allocator decides whether addresses repeat.
+training loop that frees its gradients every step (``tests/test_step_graphs_gpu.py``, in the
+gefen-core GPU list of the two-GPU release gate of 2026-11-29: 29 passed, 0 skipped). That
+loop checks bits, not how often it replays. It stays off by default until replay rates and
+step times are measured in real loops with ``zero_grad(set_to_none=True)``, where the
+allocator decides whether addresses repeat.
 """
 
 from __future__ import annotations

@@ -513,6 +513,7 @@ class ShardedGefenMuon(GefenMuon):
             entries = gathered([items[i] for i in bucket])
             outs: dict[int, Tensor] = {}
             stepped: list[Entry] | None = None
+            packed: tuple[Tensor, Tensor] | None = None
             with agreed("ShardedGefenMuon distributed-mode pipeline", group=self._dist_group):
                 # Every rank runs the period gate (full gradients are identical everywhere),
                 # so all agree on what is stepped; only owners touch momentum.
@@ -524,9 +525,12 @@ class ShardedGefenMuon(GefenMuon):
                     u = self._momentum(p, g, name, group)
                     o = self._post_ns(p, g, self._orthogonalise(u, group), group)
                     outs[id(p)] = o.to(self._ns_dtype).contiguous()
-            assert stepped is not None
-            updates = self._exchange_updates(stepped, outs, owners)
-            del entries
+                # The exchange buffers too: a rank that cannot allocate them must not leave
+                # the others waiting in the all-gather.
+                packed = self._pack_updates(stepped, outs, owners)
+            assert stepped is not None and packed is not None
+            updates = self._exchange_updates(stepped, packed, owners)
+            del entries, outs, packed
             for group, p, _, _ in stepped:
                 lr = group["lr"] if group["capturable"] else self._host_lr(group["lr"])
                 self._apply_update(p, updates[id(p)], group, lr)
@@ -537,15 +541,13 @@ class ShardedGefenMuon(GefenMuon):
                     for key in _MOMENTUM_KEYS:
                         st.pop(key, None)
 
-    def _exchange_updates(self, stepped: list[Entry], outs: dict[int, Tensor],
-                          owners: dict[int, int]) -> dict[int, Tensor]:
-        """Every stepped matrix's full update ``O`` on every rank (collective): each rank
-        sends its owned updates, concatenated in ``stepped`` order and padded to the largest
-        rank's total, in one ``all_gather_into_tensor``."""
+    def _pack_updates(self, stepped: list[Entry], outs: dict[int, Tensor],
+                      owners: dict[int, int]) -> tuple[Tensor, Tensor]:
+        """``(send, recv)`` for :meth:`_exchange_updates`: this rank's owned updates,
+        concatenated in ``stepped`` order and padded to the largest rank's total, and the
+        receive buffer for every rank's part."""
         world, rank = self._world(), self._rank()
-        if not stepped:
-            return {}
-        device = stepped[0][2].device
+        device = stepped[0][2].device if stepped else torch.device("cpu")
         totals = [0] * world
         for _, p, _, _ in stepped:
             totals[owners[id(p)]] += p.numel()
@@ -557,9 +559,18 @@ class ShardedGefenMuon(GefenMuon):
                 o = outs[id(p)]
                 send.narrow(0, offset, o.numel()).copy_(o.reshape(-1))
                 offset += o.numel()
-        recv = torch.empty(world * width, dtype=self._ns_dtype, device=device)
+        return send, torch.empty(world * width, dtype=self._ns_dtype, device=device)
+
+    def _exchange_updates(self, stepped: list[Entry], packed: tuple[Tensor, Tensor],
+                          owners: dict[int, int]) -> dict[int, Tensor]:
+        """Every stepped matrix's full update ``O`` on every rank (collective, one all-gather
+        of :meth:`_pack_updates`' buffers; ``stepped`` is the same on every rank)."""
+        if not stepped:
+            return {}
+        send, recv = packed
+        world = self._world()
         _all_gather_single(recv, send, group=self._dist_group)
-        per_rank = recv.view(world, width)
+        per_rank = recv.view(world, send.numel())
         offsets = [0] * world
         updates: dict[int, Tensor] = {}
         for _, p, _, _ in stepped:

@@ -6,16 +6,28 @@ import numpy as np
 import torch
 
 
-def make_codebook(seed: int = 0, *, duplicates: bool = False) -> torch.Tensor:
+def make_codebook(seed: int = 0, *, duplicates: bool = False,
+                  direct: bool | None = None) -> torch.Tensor:
     """A sorted fp32 [256] codebook with c[0] = -1, c[255] = +1, dense near 0 like a learned one.
 
-    No codeword is exactly 0, as in a codebook learned from histogram bin centres.
+    No codeword is exactly 0, as in a codebook learned from histogram bin centres. ``direct``
+    (default: even ``seed``): the inner codewords are histogram bin centres at least two bins
+    apart, as a learned codebook's are, so nearest rounding takes the kernels' decision table;
+    otherwise they are unsnapped and crowd into shared buckets near 0, so it takes the bracket
+    search (``test_make_codebook_covers_both_nearest_paths`` checks both).
     """
     gen = torch.Generator().manual_seed(seed)
     u = torch.rand(254, generator=gen, dtype=torch.float64) * 2 - 1
     inner = torch.sign(u) * u.abs() ** 2.5  # concentrate near zero
     inner = inner.clamp(-0.999, 0.999)
     inner[inner == 0] = 1e-4
+    if direct if direct is not None else seed % 2 == 0:
+        bins = np.sort(np.floor((inner.numpy() + 1.0) * 2048).astype(np.int64))
+        # Bins 2 .. 4093, at least two apart: make bins - 2i non-decreasing within its range.
+        step = 2 * np.arange(bins.size)
+        slack = np.maximum.accumulate(np.clip(bins - step, 2, 4093 - step[-1]))
+        bins = slack + step
+        inner = torch.from_numpy((bins + 0.5) / 2048 - 1.0)
     if duplicates:
         inner[100:110] = inner[100]
     cb = torch.cat([torch.tensor([-1.0, 1.0], dtype=torch.float64), inner]).float()

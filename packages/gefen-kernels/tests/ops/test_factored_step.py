@@ -481,3 +481,28 @@ def test_compile_and_cuda_graph_gpu() -> None:
                              cb, **{**kw, "hyper": hyper.clone(), "seed_tensor": seed_t.clone()})
     torch.cuda.synchronize()
     assert torch.equal(live_p, ref_p) and all(torch.equal(live[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("ncols", [1, 2, 3, 5, 7, 13, 96, 641, 2047, 2048, 2049, 4097, 8191, 8192,
+                                   50257, 128256, 2**20 + 1, 2**30 - 1, 2**30, 2**30 + 1,
+                                   2**31 - 1])
+def test_ncols_divider_is_exact(ncols: int) -> None:
+    """The factored kernels' row = offs // ncols by multiply-high (int32 offsets), written out
+    in exact integers: every offset below 2**31 at and around each multiple of ncols, the
+    ends of the range, and random offsets."""
+    from gefen_kernels.ops._step_kernels import ncols_divider
+
+    magic, shift = ncols_divider(ncols)
+    assert -2**31 <= magic < 2**31 and 0 <= shift <= 31
+    magic_u = magic & 0xFFFFFFFF
+    rng = np.random.default_rng(ncols)
+    multiples = np.unique(np.concatenate([
+        np.arange(0, min(2**31 // ncols, 64)), rng.integers(0, 2**31 // ncols, 256),
+        [2**31 // ncols]])) * ncols
+    n = np.concatenate([multiples - 1, multiples, multiples + 1, rng.integers(0, 2**31, 4096),
+                        [0, 1, 2**31 - 2, 2**31 - 1]])
+    for value in n[(n >= 0) & (n < 2**31)].tolist():
+        high = ((2 * value) * magic_u) >> 32
+        assert high >> shift == value // ncols, (value, ncols)
+    with pytest.raises(ValueError, match="ncols"):
+        ncols_divider(0)

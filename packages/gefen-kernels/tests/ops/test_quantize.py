@@ -272,7 +272,7 @@ def _learned_like_codebook() -> torch.Tensor:
 def test_search_table_brackets_the_lower_bound(which: str) -> None:
     from gefen_kernels.ops._search_table import build_search_table
 
-    cb = {"dense": make_codebook(12), "learned": _learned_like_codebook(),
+    cb = {"dense": make_codebook(12, direct=False), "learned": _learned_like_codebook(),
           "duplicates": make_codebook(13, duplicates=True)}[which]
     assert cb.numel() == 256
     table, steps = build_search_table(cb)
@@ -293,7 +293,7 @@ def test_triton_table_and_full_search_agree(which: str) -> None:
     from gefen_kernels.ops.quantize import _launch_quantize
 
     dev = _device()
-    cb = {"dense": make_codebook(14), "learned": _learned_like_codebook(),
+    cb = {"dense": make_codebook(14, direct=False), "learned": _learned_like_codebook(),
           "duplicates": make_codebook(15, duplicates=True)}[which].to(dev)
     x = _special_values(torch.rand(20_000) * 2.2 - 1.1, cb.cpu()).to(dev)
     x[-256:] = cb
@@ -314,3 +314,111 @@ def test_search_table_cache_follows_the_codebook() -> None:
     table, steps2 = search_table(cb)
     assert table is not first
     assert torch.equal(table, build_search_table(cb)[0]) and steps2 == build_search_table(cb)[1]
+
+
+# --------------------------------------------------------------------------------------------
+# The decision table replaces the nearest search when every bucket holds at most one jump.
+# --------------------------------------------------------------------------------------------
+
+
+def _decision_codebooks() -> dict[str, torch.Tensor]:
+    return {"learned": _learned_like_codebook(), "make_codebook": make_codebook(0),
+            "duplicates": make_codebook(2, duplicates=True),
+            "uniform": torch.linspace(-1.0, 1.0, 256)}
+
+
+def _decode(table: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's lookup, written out in torch from the documented layout."""
+    b = torch.floor((x + 1.0) * 2048.0).nan_to_num(nan=0.0).clamp(0, 4095).long()
+    head, pair = table[2 * b], table[2 * b + 1]
+
+    def low_float(w: torch.Tensor) -> torch.Tensor:
+        lo = w & 0xFFFFFFFF
+        return torch.where(lo >= 2**31, lo - 2**32, lo).to(torch.int32).view(torch.float32)
+
+    up = x > low_float(head)
+    q = torch.where(up, (head >> 40) & 255, (head >> 32) & 255)
+    return q, torch.where(up, low_float(pair >> 32), low_float(pair))
+
+
+def _hard_values(table: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+    """Every bucket's first and last fp32 value, every threshold and codeword with their fp32
+    neighbours, the specials, and random values."""
+    from gefen_kernels.ops._decision_table import _from_key, bucket_key_ranges
+
+    lo, hi = bucket_key_ranges()
+    head = table[0::2].cpu()
+    lo32 = head & 0xFFFFFFFF
+    thresholds = torch.where(lo32 >= 2**31, lo32 - 2**32, lo32).to(torch.int32).view(
+        torch.float32)
+    thresholds = thresholds[torch.isfinite(thresholds)]
+    up, down = torch.tensor(float("inf")), torch.tensor(-float("inf"))
+    near = torch.cat([thresholds, cb])
+    gen = torch.Generator().manual_seed(0)
+    return torch.cat([
+        _from_key(lo), _from_key(hi), near, torch.nextafter(near, up),
+        torch.nextafter(near, down), torch.randn(8192, generator=gen) * 0.2,
+        torch.tensor([0.0, -0.0, 1.0, -1.0, 1.5, -1.5, 3e38, -3e38, float("inf"),
+                      -float("inf"), float("nan"), 1e-45, -1e-45]),
+    ])
+
+
+@pytest.mark.parametrize("which", list(_decision_codebooks()))
+def test_decision_table_matches_the_reference(which: str) -> None:
+    from gefen_kernels.ops._decision_table import DIRECT_STEPS
+    from gefen_kernels.ops._search_table import kernel_table
+    from gefen_kernels.ops.quantize import _launch_quantize
+
+    dev = _device()
+    cb = _decision_codebooks()[which].to(dev)
+    table, steps = kernel_table(cb)
+    assert steps == DIRECT_STEPS and table.shape == (2 * 4096,) and table.dtype == torch.int64
+    x = _hard_values(table, cb.cpu())
+    want = quantize_nearest_reference(x, cb.cpu()).long()
+    q, codeword = _decode(table.cpu(), x)
+    assert torch.equal(q, want)
+    assert torch.equal(codeword.view(torch.int32), cb.cpu()[want].view(torch.int32))
+    got = _launch_quantize(x.to(dev), cb, 0, 0, False)
+    assert torch.equal(got.cpu().long(), want)
+    # Stochastic rounding still gets the bracket table.
+    assert kernel_table(cb, stochastic=True)[1] >= 1
+
+
+def test_decision_table_refuses_two_jumps_in_one_bucket() -> None:
+    from gefen_kernels.ops._decision_table import build_decision_table
+    from gefen_kernels.ops._search_table import kernel_table
+
+    crowded = torch.cat([torch.tensor([-1.0]), torch.linspace(-1e-3, 1e-3, 254),
+                         torch.tensor([1.0])])
+    assert build_decision_table(crowded) is None
+    assert kernel_table(crowded)[1] >= 1  # the bracket search instead
+    # Three codewords within 1.2 buckets: both midpoints fall into bucket 2048 = [0, 1/2048).
+    close = torch.linspace(-1.0, 1.0, 256)
+    close[127:130] = torch.tensor([0.05, 0.65, 1.25]) / 2048
+    assert build_decision_table(close) is None
+
+
+def test_bucket_key_ranges_partition_the_floats() -> None:
+    from gefen_kernels.ops._decision_table import _bucket, _from_key, bucket_key_ranges
+
+    lo, hi = bucket_key_ranges()
+    buckets = torch.arange(4096)
+    assert torch.equal(_bucket(_from_key(lo)), buckets)
+    assert torch.equal(_bucket(_from_key(hi)), buckets)
+    assert torch.equal(lo[1:], hi[:-1] + 1)  # no fp32 value between two buckets
+    assert _from_key(lo[:1]).item() == -float("inf") and _from_key(hi[-1:]).item() == float("inf")
+    # The key order is the float order.
+    x = torch.sort(torch.randn(10_000) * 10).values
+    from gefen_kernels.ops._decision_table import _to_key
+    keys = _to_key(x)
+    assert torch.all(keys[1:] >= keys[:-1])
+    assert torch.equal(_from_key(keys).view(torch.int32), x.view(torch.int32))
+
+
+def test_make_codebook_covers_both_nearest_paths() -> None:
+    from gefen_kernels.ops._decision_table import DIRECT_STEPS
+    from gefen_kernels.ops._search_table import kernel_table
+
+    for seed in range(6):
+        steps = kernel_table(make_codebook(seed))[1]
+        assert (steps == DIRECT_STEPS) == (seed % 2 == 0), (seed, steps)

@@ -46,6 +46,7 @@ from ._step_kernels import (
     _momentum,
     _next_pow2,
     _step_partial_kernel,
+    _stored_block_scalars,
     _sweep_block,
     choose_route,
     needs_int64,
@@ -118,6 +119,9 @@ def _muon_loop_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, table_ptr, seed_ptr, u_ptr, p
     s_old = tl.load(s_ptr + block)
     s_new, _ = _sweep_block(g_ptr, q_ptr, cb_ptr, base, lanes, period, s_old, b, omb, MAXIMIZE,
                             TILE)
+    tl.store(s_ptr + block, s_new)  # s_old is in registers already
+    # Every thread continues with the stored scale (see _stored_block_scalars).
+    s_new, _ = _stored_block_scalars(s_ptr + block, s_ptr, 0.0, 1.0, 1.0, True)
     seed_u = _load_seed(seed_ptr, seed, SEED_PTR)
     start = period * 0
     while start < period:
@@ -127,7 +131,6 @@ def _muon_loop_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, table_ptr, seed_ptr, u_ptr, p
         _muon_write(q_ptr, u_ptr, cb_ptr, table_ptr, offs, mask, g, m, s_new, b, omb, seed_u,
                     NESTEROV, STOCHASTIC, STEPS)
         start += TILE
-    tl.store(s_ptr + block, s_new)
 
 
 @jit(do_not_specialize=["seed"])
@@ -174,7 +177,8 @@ def launch_muon_momentum(
         return
     b = f32(beta)
     omb = f32(1.0 - b)
-    table, steps = kernel_table(codebook) if use_table else (codebook, 0)
+    table, steps = (kernel_table(codebook, stochastic=bool(stochastic_round)) if use_table
+                    else (codebook, 0))
     seed_ptr = seed_tensor if seed_tensor is not None else codebook
     flags = dict(NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize),
                  STOCHASTIC=bool(stochastic_round), SEED_PTR=seed_tensor is not None,

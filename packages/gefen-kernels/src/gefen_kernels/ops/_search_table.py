@@ -20,6 +20,9 @@ instead of the codebook; ``+inf < x`` is false for every ``x``, as an empty rang
 Entry ``4097 + j`` holds the bit patterns of ``c[max(j - 1, 0)]`` (low) and ``c[j]`` (high): the
 two codewords around ``R = j`` of §1.9 in one load. Only bit patterns are copied: the kernels
 compare and subtract exactly the codewords the codebook holds.
+
+Nearest rounding usually takes the decision table of :mod:`._decision_table` instead (one
+lookup, no search): :func:`kernel_table` chooses.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .._numerics import HISTOGRAM_BINS
 # Keyed on tensor identity (a weak reference): tensors compare elementwise, not by identity.
 _CACHE = WeakIdKeyDictionary()
 _KERNEL_CACHE = WeakIdKeyDictionary()
+_NEAREST_CACHE = WeakIdKeyDictionary()
 
 KERNEL_PAIRS_OFFSET = HISTOGRAM_BINS + 1  # first pair entry of the packed kernel table
 
@@ -88,6 +92,22 @@ def build_kernel_table(codebook: Tensor) -> tuple[Tensor, int]:
     return torch.cat([entries, pairs]), steps
 
 
-def kernel_table(codebook: Tensor) -> tuple[Tensor, int]:
-    """Cached packed table for ``codebook``; ``(codebook, 0)`` means "use the full search"."""
-    return _cached(_KERNEL_CACHE, build_kernel_table, codebook)
+def _build_nearest_table(codebook: Tensor) -> tuple[Tensor, int]:
+    # Imported here: the decision table is built with _quant_ref, which imports this module.
+    from ._decision_table import DIRECT_STEPS, build_decision_table
+
+    table = build_decision_table(codebook)
+    return (table, DIRECT_STEPS) if table is not None else build_kernel_table(codebook)
+
+
+def kernel_table(codebook: Tensor, *, stochastic: bool = False) -> tuple[Tensor, int]:
+    """Cached kernel table for ``codebook``: ``(table, STEPS)``.
+
+    Nearest rounding (``stochastic=False``) gets the decision table of
+    :mod:`._decision_table` (``STEPS = DIRECT_STEPS``) where the codebook allows one, else the
+    packed search table; stochastic rounding needs the bracket and always gets the packed
+    search table. ``(codebook, 0)`` means "use the full search".
+    """
+    if stochastic:
+        return _cached(_KERNEL_CACHE, build_kernel_table, codebook)
+    return _cached(_NEAREST_CACHE, _build_nearest_table, codebook)

@@ -105,10 +105,15 @@ def _block_sigma(sumsq, v_old, period, b2, omb2, eps, bc2, bc1):
     # adding it to an fp32 zero converts it (round to nearest, as .to would) in either case.
     mean = tl.math.div_rn(sumsq, tl.zeros([], dtype=tl.float32) + period)
     v_new = b2 * v_old + omb2 * mean
+    return v_new, _sigma_from_v(v_new, eps, bc2, bc1)
+
+
+@jit
+def _sigma_from_v(v_new, eps, bc2, bc1):  # type: ignore[no-untyped-def]
+    """sigma = f32(1/f32(f32(sqrt(v') * bc2) + eps)) * bc1 (the second half of _block_sigma)."""
     h = tl.math.sqrt_rn(v_new) * bc2
     h = h + eps
-    sigma = tl.math.div_rn(1.0, h) * bc1
-    return v_new, sigma
+    return tl.math.div_rn(1.0, h) * bc1
 
 
 @jit
@@ -146,9 +151,52 @@ def _sweep_block(g_ptr, q_ptr, cb_ptr, base, lanes, period, s_old, b1, omb1,  # 
     return tl_nan_max(acc_max, acc_nan, 0), tl.sum(acc_sq, axis=0)
 
 
+def ncols_divider(ncols: int) -> tuple[int, int]:
+    """``(magic, shift)`` such that ``n // ncols == umulhi(2 * n, magic) >> shift`` for every
+    ``0 <= n < 2**31`` (Granlund and Montgomery 1994, Theorem 4.2 with N = 31: ``shift =
+    ceil(log2(ncols))``, ``magic = ceil(2**(31 + shift) / ncols) < 2**32``). ``magic`` is
+    returned as the int32 with the same bits, the type the kernels take it in."""
+    if not 1 <= ncols < 2**31:
+        raise ValueError(f"ncols must be in [1, 2**31), got {ncols}")
+    shift = (ncols - 1).bit_length()
+    magic = -(-(1 << (31 + shift)) // ncols)
+    return (magic - (1 << 32) if magic >= 1 << 31 else magic), shift
+
+
 @jit
-def _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, bc2, bc1, eps,  # type: ignore[no-untyped-def]
-                   FACTORED: tl.constexpr):
+def _row_col(offs, ncols, ncols_magic, ncols_shift, OFFS64: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``(offs // ncols, offs % ncols)`` of non-negative offsets. int32 offsets divide by a
+    multiply-high and a shift (:func:`ncols_divider`): the hardware has no integer divider and
+    the generic division is about twenty instructions per element."""
+    if OFFS64:
+        row = offs // ncols
+    else:
+        two_n = offs.to(tl.uint32, bitcast=True) << 1
+        high = tl.umulhi(two_n, ncols_magic.to(tl.uint32, bitcast=True))
+        row = (high >> ncols_shift.to(tl.uint32)).to(tl.int32, bitcast=True)
+    return row, offs - row * ncols
+
+
+@jit
+def _stored_block_scalars(s_ptr, v_ptr, eps, bc2, bc1, FACTORED: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The block's new scale and (block mode) sigma, read back after a CTA barrier from where
+    the loop routes just stored them, so every thread quantises and updates with the one
+    stored value. On H200 runs (Triton 3.6) the loop route, which used each thread's own copy
+    of the block reductions, gave parameter updates off by a few percent in some lanes of a
+    few blocks per 64M-element step, differently on each run, while the stored scale and
+    second moment matched the reference. The split route, which reads its block values from
+    memory, never did."""
+    tl.debug_barrier()
+    s_new = tl.load(s_ptr, cache_modifier=".cg")
+    sigma = s_new  # unused in factored mode
+    if not FACTORED:
+        sigma = _sigma_from_v(tl.load(v_ptr, cache_modifier=".cg"), eps, bc2, bc1)
+    return s_new, sigma
+
+
+@jit
+def _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, ncols_magic,  # type: ignore[no-untyped-def]
+                   ncols_shift, bc2, bc1, eps, FACTORED: tl.constexpr, OFFS64: tl.constexpr):
     """The parameter values and (factored mode) the per-element ``V`` and ``sigma`` of
     ``offs``. Called before the block reduction and the quantisation, so these loads are in
     flight while they run instead of after them (the tile route is latency-bound otherwise)."""
@@ -156,8 +204,9 @@ def _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, bc2
     big_v = p  # unused in block mode
     sigma = p
     if FACTORED:
-        r = tl.load(row_ptr + offs // ncols, mask=mask, other=0.0)
-        k = tl.load(col_ptr + offs % ncols, mask=mask, other=0.0)
+        row, col = _row_col(offs, ncols, ncols_magic, ncols_shift, OFFS64)
+        r = tl.load(row_ptr + row, mask=mask, other=0.0)
+        k = tl.load(col_ptr + col, mask=mask, other=0.0)
         big_v = (r * k) * tl.load(inv_rbar_ptr)
         h = tl.math.sqrt_rn(big_v * bc2)
         h = h + eps
@@ -198,10 +247,10 @@ def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma_block, p
 
 @jit
 def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
-                 table_ptr, num_blocks, period, ncols, b1, omb1, b2, omb2, eps, lr, bc2, bc1,
-                 decay, seed_u, BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
-                 MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, STEPS: tl.constexpr,
-                 OFFS64: tl.constexpr):
+                 table_ptr, num_blocks, period, ncols, ncols_magic, ncols_shift, b1, omb1, b2,
+                 omb2, eps, lr, bc2, bc1, decay, seed_u, BPP: tl.constexpr, P2: tl.constexpr,
+                 FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr,
+                 STEPS: tl.constexpr, OFFS64: tl.constexpr):
     """The tile route's work for program ``pid`` of one tensor: blocks
     ``[pid * BPP, (pid + 1) * BPP)`` as a ``[BPP, P2]`` register tile. ``OFFS64``: int64
     offsets, else int32 (``pid``, ``num_blocks`` and ``period`` must then be int32)."""
@@ -215,7 +264,8 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
     s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
     g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
     p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
-                                          ncols, bc2, bc1, eps, FACTORED)
+                                          ncols, ncols_magic, ncols_shift, bc2, bc1, eps,
+                                          FACTORED, OFFS64)
     s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
     sigma = s_new  # unused in factored mode
     if not FACTORED:
@@ -230,25 +280,26 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
 
 # num_blocks only bounds masks: specialising it (== 1, % 16) would only multiply the compiled
 # variants a model's first step has to JIT; period's divisibility does help (aligned rows).
-@jit(do_not_specialize=["seed", "num_blocks"])
+@jit(do_not_specialize=["seed", "num_blocks", "ncols_magic", "ncols_shift"])
 def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
-                      table_ptr, hyper_ptr, seed_ptr, num_blocks, period, ncols,
-                      b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
+                      table_ptr, hyper_ptr, seed_ptr, num_blocks, period, ncols, ncols_magic,
+                      ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
                       BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
                       MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
                       SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr):
     """Tile route: program ``pid`` owns blocks ``[pid * BPP, (pid + 1) * BPP)``."""
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
     _tile_blocks(tl.program_id(0), p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr,
-                 col_ptr, inv_rbar_ptr, cb_ptr, table_ptr, num_blocks, period, ncols, b1, omb1,
-                 b2, omb2, eps, lr, bc2, bc1, decay, _load_seed(seed_ptr, seed, SEED_PTR), BPP,
+                 col_ptr, inv_rbar_ptr, cb_ptr, table_ptr, num_blocks, period, ncols, ncols_magic,
+                 ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay,
+                 _load_seed(seed_ptr, seed, SEED_PTR), BPP,
                  P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64)
 
 
-@jit(do_not_specialize=["seed", "num_blocks"])
+@jit(do_not_specialize=["seed", "num_blocks", "ncols_magic", "ncols_shift"])
 def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
-                      table_ptr, hyper_ptr, seed_ptr, num_blocks, period, ncols,
-                      b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
+                      table_ptr, hyper_ptr, seed_ptr, num_blocks, period, ncols, ncols_magic,
+                      ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
                       TILE: tl.constexpr, FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr,
                       STOCHASTIC: tl.constexpr, HYPER: tl.constexpr, SEED_PTR: tl.constexpr,
                       STEPS: tl.constexpr, OFFS64: tl.constexpr):
@@ -261,11 +312,11 @@ def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
     s_old = tl.load(s_ptr + block)
     s_new, sumsq = _sweep_block(g_ptr, q_ptr, cb_ptr, base, lanes, period, s_old, b1, omb1,
                                 MAXIMIZE, TILE)
-    sigma = s_new
     if not FACTORED:
-        v_new, sigma = _block_sigma(sumsq, tl.load(v_ptr + block), period,
-                                    b2, omb2, eps, bc2, bc1)
+        v_new, _ = _block_sigma(sumsq, tl.load(v_ptr + block), period, b2, omb2, eps, bc2, bc1)
         tl.store(v_ptr + block, v_new)
+    tl.store(s_ptr + block, s_new)  # s_old is in registers already
+    s_new, sigma = _stored_block_scalars(s_ptr + block, v_ptr + block, eps, bc2, bc1, FACTORED)
     seed_u = _load_seed(seed_ptr, seed, SEED_PTR)
     start = period * 0
     while start < period:
@@ -273,11 +324,11 @@ def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
         offs = base + start + lanes
         g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
         p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
-                                              ncols, bc2, bc1, eps, FACTORED)
+                                              ncols, ncols_magic, ncols_shift, bc2, bc1,
+                                              eps, FACTORED, OFFS64)
         _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma, p, big_v,
                sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
         start += TILE
-    tl.store(s_ptr + block, s_new)
 
 
 @jit
@@ -309,10 +360,11 @@ def _step_partial_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, part_max_ptr, part_sq_ptr,
         tl.store(part_sq_ptr + block * num_splits + split, tl.sum(acc_sq, axis=0))
 
 
-@jit(do_not_specialize=["seed"])
+@jit(do_not_specialize=["seed", "ncols_magic", "ncols_shift"])
 def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr, col_ptr,  # type: ignore[no-untyped-def]
                        inv_rbar_ptr, cb_ptr, table_ptr, hyper_ptr, seed_ptr, period, ncols,
-                       num_splits, b1, omb1, eps, lr, bc2, bc1, decay, seed,
+                       ncols_magic, ncols_shift, num_splits, b1, omb1, eps, lr, bc2, bc1,
+                       decay, seed,
                        SPLIT: tl.constexpr, TILE: tl.constexpr, FACTORED: tl.constexpr,
                        MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
                        SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr):
@@ -336,7 +388,8 @@ def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr
         offs = block * period + pos
         g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
         p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
-                                              ncols, bc2, bc1, eps, FACTORED)
+                                              ncols, ncols_magic, ncols_shift, bc2, bc1,
+                                              eps, FACTORED, OFFS64)
         _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma, p, big_v,
                sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
 
@@ -390,7 +443,8 @@ def launch_step(
     scal = dict(lr=f32(lr), bc2=f32(bc2), bc1=f32(bc1_recip), decay=f32(decay))
     hyper_ptr = hyper if hyper is not None else dummy
     seed_ptr = seed_tensor if seed_tensor is not None else dummy
-    table, steps = kernel_table(codebook) if use_table else (codebook, 0)
+    table, steps = (kernel_table(codebook, stochastic=bool(stochastic_round)) if use_table
+                    else (codebook, 0))
     offs64 = needs_int64(num_blocks, period, split_elements=split_elements, loop_tile=loop_tile)
     flags = dict(HYPER=hyper is not None, SEED_PTR=seed_tensor is not None, STEPS=steps,
                  OFFS64=offs64)
@@ -399,6 +453,7 @@ def launch_step(
     col_ptr = col if col is not None else dummy
     inv_ptr = inv_rbar if inv_rbar is not None else dummy
     flat_p, flat_g = param.view(-1), grad.view(-1)
+    magic, shift = ncols_divider(ncols)
     route = route or choose_route(num_blocks, period, param.device)
     if route == "tile":
         p2 = _next_pow2(period)
@@ -406,14 +461,14 @@ def launch_step(
         grid = (triton.cdiv(num_blocks, bpp),)
         _step_tile_kernel[grid](
             flat_p, flat_g, codes, scale, v_ptr, row_ptr, col_ptr, inv_ptr, codebook, table,
-            hyper_ptr, seed_ptr, num_blocks, period, ncols, b1, f32(1.0 - b1), b2,
+            hyper_ptr, seed_ptr, num_blocks, period, ncols, magic, shift, b1, f32(1.0 - b1), b2,
             f32(1.0 - b2), f32(eps), scal["lr"], scal["bc2"], scal["bc1"], scal["decay"],
             to_signed64(seed), BPP=bpp, P2=p2, **common, **flags,
             num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
     elif route == "loop":
         _step_loop_kernel[(num_blocks,)](
             flat_p, flat_g, codes, scale, v_ptr, row_ptr, col_ptr, inv_ptr, codebook, table,
-            hyper_ptr, seed_ptr, num_blocks, period, ncols, b1, f32(1.0 - b1), b2,
+            hyper_ptr, seed_ptr, num_blocks, period, ncols, magic, shift, b1, f32(1.0 - b1), b2,
             f32(1.0 - b2), f32(eps), scal["lr"], scal["bc2"], scal["bc1"], scal["decay"],
             to_signed64(seed), TILE=loop_tile, **common, **flags, num_warps=8,
             **LAUNCH_OPTIONS)
@@ -441,7 +496,8 @@ def launch_step(
             sigma = torch.reciprocal(h + f32(eps)) * bc1_s
         _step_apply_kernel[(num_blocks * num_splits,)](
             flat_p, flat_g, codes, scale, s_new, sigma, row_ptr, col_ptr, inv_ptr, codebook,
-            table, hyper_ptr, seed_ptr, period, ncols, num_splits, b1, f32(1.0 - b1), f32(eps),
+            table, hyper_ptr, seed_ptr, period, ncols, magic, shift, num_splits, b1,
+            f32(1.0 - b1), f32(eps),
             scal["lr"], scal["bc2"], scal["bc1"], scal["decay"], to_signed64(seed),
             SPLIT=split_elements, TILE=min(loop_tile, split_elements), **common, **flags,
             num_warps=8, **LAUNCH_OPTIONS)
@@ -450,4 +506,4 @@ def launch_step(
         raise ValueError(f"unknown route {route!r}; expected 'tile', 'loop' or 'split'")
 
 
-__all__ = ["choose_route", "denominator", "launch_step", "tile_warps"]
+__all__ = ["choose_route", "denominator", "launch_step", "ncols_divider", "tile_warps"]

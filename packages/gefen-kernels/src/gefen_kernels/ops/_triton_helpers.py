@@ -12,12 +12,14 @@ Importing this module never needs Triton: without it the helpers are stubs.
 
 from __future__ import annotations
 
-from .._triton import jit, tl
+from .._triton import interpret_mode, jit, tl
 
 # Launch options every Gefen kernel uses (see the module docstring).
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 # First pair entry of the packed kernel table (_search_table.KERNEL_PAIRS_OFFSET).
 PAIRS_OFFSET = tl.constexpr(4097) if tl is not None else 4097
+# Whether kernels run in Triton's interpreter (fixed at import, as Triton itself does).
+INTERPRETED = tl.constexpr(interpret_mode()) if tl is not None else interpret_mode()
 
 
 @jit
@@ -74,6 +76,7 @@ def tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
     whose value the entry carries: one gather instead of three. ``c[L]`` and ``c[R]`` come
     from one pair entry.
     """
+    tl.static_assert(STEPS >= 0, "the decision table (STEPS < 0) has no bracket")
     if STEPS == 0:
         right = tl_codeword_upper(x, cb_ptr)
         left = tl.maximum(right - 1, 0)
@@ -105,17 +108,34 @@ def tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
 @jit
 def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
     """Nearest codeword of fp32 ``x``: ``(index (int32), codeword (fp32))``; ties to the lower
-    index; NaN -> 0. The codeword is ``c[index]`` (already loaded: no second gather)."""
-    left, right, c_left, c_right = tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS)
-    pick_left = tl.abs(x - c_left) <= tl.abs(x - c_right)
-    q = tl.where(pick_left, left, right)
-    cq = tl.where(pick_left, c_left, c_right)
-    top = tl.load(cb_ptr + 255)
-    above = x > top
-    q = tl.where(above, 255, q)
-    cq = tl.where(above, top, cq)
-    nan = x != x
-    return tl.where(nan, 0, q), tl.where(nan, tl.load(cb_ptr), cq)
+    index; NaN -> 0. The codeword is ``c[index]`` (already loaded: no second gather).
+
+    ``STEPS < 0``: ``table_ptr`` is the decision table of
+    :mod:`gefen_kernels.ops._decision_table` (two adjacent int64 words per bucket, loaded
+    independently of each other; NaN falls in bucket 0, whose lower code is 0). Otherwise the
+    bracket search of :func:`tl_codeword_bracket`.
+    """
+    if STEPS < 0:
+        b = _bucket(x)
+        head = tl.load(table_ptr + 2 * b)
+        pair = tl.load(table_ptr + (2 * b + 1))
+        up = x > _low_float(head)
+        codes = (head >> 32).to(tl.int32)
+        q = tl.where(up, (codes >> 8) & 255, codes & 255)
+        cq = tl.where(up, _high_float(pair), _low_float(pair))
+    else:
+        left, right, c_left, c_right = tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS)
+        pick_left = tl.abs(x - c_left) <= tl.abs(x - c_right)
+        q = tl.where(pick_left, left, right)
+        cq = tl.where(pick_left, c_left, c_right)
+        top = tl.load(cb_ptr + 255)
+        above = x > top
+        q = tl.where(above, 255, q)
+        cq = tl.where(above, top, cq)
+        nan = x != x
+        q = tl.where(nan, 0, q)
+        cq = tl.where(nan, tl.load(cb_ptr), cq)
+    return q, cq
 
 
 @jit
@@ -162,10 +182,12 @@ def tl_nan_max(abs_values, is_nan, axis: tl.constexpr):  # type: ignore[no-untyp
 def tl_round_to(x, dtype: tl.constexpr):  # type: ignore[no-untyped-def]
     """Round fp32 ``x`` to ``dtype`` to nearest-even, identically on GPU and in the interpreter.
 
-    bf16 is rounded with integer arithmetic on the fp32 bit pattern (the interpreter's own
-    fp32 -> bf16 cast truncates); NaN stays a quiet NaN. Other dtypes use Triton's cast.
+    Compiled, this is Triton's cast (``cvt.rn``: round to nearest-even). The interpreter's own
+    fp32 -> bf16 cast truncates, so there bf16 is rounded with integer arithmetic on the fp32
+    bit pattern, which gives the same finite values; a NaN stays a NaN either way (its payload
+    may differ).
     """
-    if dtype == tl.bfloat16:
+    if dtype == tl.bfloat16 and INTERPRETED:
         bits = x.to(tl.uint32, bitcast=True)
         rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
         rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)

@@ -126,7 +126,7 @@ def _multi_tile_kernel(meta_ptr, prog_ptr, cb_ptr, table_ptr, hyper_ptr, seed_pt
     decay = tl.load(hyper_ptr + t * 4 + 3)
     seed_u = tl.load(seed_ptr + t).to(tl.uint64, bitcast=True)
     _tile_blocks(local, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, s_ptr, s_ptr, s_ptr, cb_ptr,
-                 table_ptr, num_blocks, period, 1, b1, omb1, b2, omb2, eps, lr, bc2, bc1,
+                 table_ptr, num_blocks, period, 1, 0, 0, b1, omb1, b2, omb2, eps, lr, bc2, bc1,
                  decay, seed_u, BPP, P2, False, MAXIMIZE, STOCHASTIC, STEPS, OFFS64)
 
 
@@ -202,7 +202,7 @@ def multi_block_step_triton(
             continue
         p2 = 1 << max(0, (period - 1).bit_length())
         groups.setdefault((p.dtype, grads[i].dtype, p2), []).append(i)
-    table, steps = kernel_table(codebook)
+    table, steps = kernel_table(codebook, stochastic=bool(stochastic_round))
     b1, b2 = f32(beta1), f32(beta2)
     for (p_dtype, g_dtype, p2), members in groups.items():
         meta, prog, programs, bpp = _group_tables(members, params, grads, codes, scales,

@@ -141,7 +141,8 @@ def _launch_quantize(x: Tensor, codebook: Tensor, seed: int, offset: int,
     if n:
         block = program_elements(_QUANT_BLOCK)
         grid = (triton.cdiv(n, block),)
-        table, steps = kernel_table(codebook) if use_table else (codebook, 0)
+        table, steps = (kernel_table(codebook, stochastic=stochastic) if use_table
+                        else (codebook, 0))
         _quantize_kernel[grid](flat, codebook, table, out.view(-1), n, to_signed64(seed),
                                to_signed64(offset), STOCHASTIC=stochastic, BLOCK=block,
                                STEPS=steps,

@@ -36,6 +36,7 @@ from ._step_kernels import (
     _step_tile_kernel,
     choose_route,
     launch_step,
+    ncols_divider,
     needs_int64,
     tile_warps,
 )
@@ -102,7 +103,7 @@ class StepPlan:
             self._stats_layout = stats_layout(int(param.shape[0]), self.ncols)
         b1, b2 = f32(beta1), f32(beta2)
         self._floats = (b1, f32(1.0 - b1), b2, f32(1.0 - b2), f32(eps))
-        table, steps = kernel_table(codebook)
+        table, steps = kernel_table(codebook, stochastic=self.stochastic_round)
         self._table = table
         consts: dict[str, Any] = dict(
             FACTORED=self.factored, MAXIMIZE=self.maximize, STOCHASTIC=self.stochastic_round,
@@ -122,7 +123,7 @@ class StepPlan:
             self._grid = None
         consts.update(LAUNCH_OPTIONS)
         self._consts = consts
-        self._ints = (num_blocks, period, self.ncols)
+        self._ints = (num_blocks, period, self.ncols, *ncols_divider(self.ncols))
 
     def matches(self, param: Tensor, codes: Tensor, scale: Tensor, exp_avg_sq: Tensor | None,
                 row: Tensor | None, col: Tensor | None, codebook: Tensor) -> bool:
@@ -177,12 +178,12 @@ class StepPlan:
             return
         dummy = codebook
         b1, omb1, b2, omb2, eps = self._floats
-        num_blocks, period, ncols = self._ints
+        num_blocks, period, ncols, magic, shift = self._ints
         self._kernel[self._grid](
             param, grad, codes, scale, exp_avg_sq if exp_avg_sq is not None else dummy,
             row if row is not None else dummy, col if col is not None else dummy,
             inv_rbar if inv_rbar is not None else dummy, codebook, self._table,
             hyper if hyper is not None else dummy,
-            seed_tensor if seed_tensor is not None else dummy, num_blocks, period, ncols,
-            b1, omb1, b2, omb2, eps, lr, bc2, bc1_recip, decay, to_signed64(seed),
+            seed_tensor if seed_tensor is not None else dummy, num_blocks, period, ncols, magic,
+            shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1_recip, decay, to_signed64(seed),
             **self._consts)

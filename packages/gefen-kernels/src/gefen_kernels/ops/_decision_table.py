@@ -1,0 +1,122 @@
+"""Nearest-codeword decision table: the §1.9 nearest rounding as one lookup (acceleration only).
+
+The kernels bucket ``x`` as the search table does (``b = clamp(floor((x + 1) * 2048), 0,
+4095)``, fp32, NaN -> 0). Both that bucket map and the nearest rounding of
+:func:`gefen_kernels.ops._quant_ref.nearest_codes` are monotone non-decreasing in ``x``, so
+each bucket is an interval of fp32 values on which the nearest code is a step function. A
+learned codebook keeps neighbouring codewords at least about one bucket apart, so on each
+bucket that step function jumps at most once. The table stores, for every bucket ``b``,
+the code below and above that jump and the largest fp32 value that still takes the lower
+code. The kernels then need one 16-byte lookup, one comparison and two selects instead of
+a search and a second gather, with no dependent loads (``STEPS = DIRECT_STEPS``):
+
+* word ``2b``: bits 0-31 the fp32 pattern of the threshold ``t`` (``+inf`` where the bucket
+  has no jump), bits 32-39 ``q_lo``, bits 40-47 ``q_hi``;
+* word ``2b + 1``: the fp32 patterns of ``c[q_lo]`` (low) and ``c[q_hi]`` (high).
+
+``q = q_hi if x > t else q_lo``, and its codeword likewise. NaN lands in bucket 0, where
+``x > t`` is false and ``q_lo = 0`` (the nearest code of ``-inf``), which is the rule.
+
+Every entry is computed from the reference itself: each bucket's end points come from a
+bisection over the fp32 values in order, its two codes from ``nearest_codes`` at those end
+points, the jump from a bisection with ``nearest_codes``. The build then checks that the
+value right after each threshold already takes ``q_hi``. A codebook with two jumps inside
+one bucket (codewords closer than about a bucket width) gets no table, and the kernels
+keep the bracket search. The table gives the reference's codes bit for bit: the tests
+compare it with ``nearest_codes`` at every bucket edge and threshold and on random values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .._numerics import HISTOGRAM_BINS
+
+DIRECT_STEPS = -1  # the kernels' STEPS value for "use the decision table"
+
+# fp32 values <-> int64 keys with the same order (-0.0 just below +0.0); NaNs excluded.
+_NEG_INF_KEY = -1 - 0x7F800000
+_POS_INF_KEY = 0x7F800000
+
+
+def _to_key(x: Tensor) -> Tensor:
+    bits = x.contiguous().view(torch.int32).to(torch.int64)
+    return torch.where(bits >= 0, bits, -1 - (bits & 0x7FFFFFFF))
+
+
+def _from_key(key: Tensor) -> Tensor:
+    bits = torch.where(key >= 0, key, (-1 - key) | 0x80000000)
+    # The low 32 bits as int32 (two's complement), then reinterpreted as fp32.
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _bucket(x: Tensor) -> Tensor:
+    """The kernels' bucket (``_triton_helpers._bucket``): the same fp32 operations."""
+    b = torch.floor((x + 1.0) * float(HISTOGRAM_BINS // 2))
+    return b.nan_to_num(nan=0.0).clamp(0, HISTOGRAM_BINS - 1).to(torch.int64)
+
+
+def _first_key(lo: Tensor, hi: Tensor, pred: functools.partial[Tensor]) -> Tensor:
+    """Smallest key ``k`` in ``[lo, hi]`` with ``pred(k)`` (monotone; ``pred(hi)`` true)."""
+    lo, hi = lo.clone(), hi.clone()
+    while bool((lo < hi).any()):
+        mid = torch.div(lo + hi, 2, rounding_mode="floor")
+        ok = pred(mid)
+        hi = torch.where(ok, mid, hi)
+        lo = torch.where(ok, lo, mid + 1)
+    return lo
+
+
+def _bucket_at_least(targets: Tensor, key: Tensor) -> Tensor:
+    return _bucket(_from_key(key)) >= targets
+
+
+@functools.cache
+def bucket_key_ranges() -> tuple[Tensor, Tensor]:
+    """(first key, last key) of each bucket's fp32 interval, int64 ``[4096]`` each (CPU)."""
+    targets = torch.arange(HISTOGRAM_BINS, dtype=torch.int64)
+    lo = _first_key(torch.full_like(targets, _NEG_INF_KEY), torch.full_like(targets, _POS_INF_KEY),
+                    functools.partial(_bucket_at_least, targets))
+    hi = torch.cat([lo[1:] - 1, torch.tensor([_POS_INF_KEY])])
+    return lo, hi
+
+
+def _code_above(codebook: Tensor, q_lo: Tensor, key: Tensor) -> Tensor:
+    from ._quant_ref import nearest_codes
+
+    return nearest_codes(_from_key(key), codebook) > q_lo
+
+
+def build_decision_table(codebook: Tensor) -> Tensor | None:
+    """The int64 ``[2 * 4096]`` table of the module docstring on ``codebook``'s device, or
+    ``None`` where some bucket holds two jumps (then the bracket search is used).
+
+    Built on the CPU from a copy of the codebook (one device-to-host copy of 1 KiB).
+    """
+    # Imported here: _quant_ref imports the search table, which imports this module lazily.
+    from ._quant_ref import nearest_codes
+
+    cb = codebook.detach().to("cpu", torch.float32).contiguous()
+    lo, hi = bucket_key_ranges()
+    q_lo = nearest_codes(_from_key(lo), cb)
+    q_hi = nearest_codes(_from_key(hi), cb)
+    jump = q_hi != q_lo
+    # First key of each bucket whose code is above q_lo (hi + 1 where none is).
+    first_up = _first_key(lo, hi + 1, functools.partial(_above_or_past, cb, q_lo, hi))
+    if bool((jump & (nearest_codes(_from_key(torch.minimum(first_up, hi)), cb) != q_hi)).any()):
+        return None
+    threshold = torch.where(jump, _from_key(first_up - 1), torch.tensor(float("inf")))
+    t_bits = threshold.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    head = t_bits | (q_lo << 32) | (q_hi << 40)
+    c_bits = cb.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    pair = c_bits[q_lo] | (c_bits[q_hi] << 32)
+    return torch.stack([head, pair], dim=1).reshape(-1).to(codebook.device)
+
+
+def _above_or_past(cb: Tensor, q_lo: Tensor, hi: Tensor, key: Tensor) -> Tensor:
+    past = key > hi
+    return past | _code_above(cb, q_lo, torch.minimum(key, hi))

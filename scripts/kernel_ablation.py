@@ -1,0 +1,290 @@
+"""Where the fused step tile kernel's time goes: ablations and candidate variants (diagnostic).
+
+    PYTHONPATH=<packages>/src python scripts/kernel_ablation.py > ablation.txt
+
+METHOD.md's "time variants that leave one stage out": each variant is the production
+``_step_tile_kernel`` compiled from a patched copy of ``_step_kernels.py`` /
+``_triton_helpers.py`` (written beside them as ``_abl_*.py`` and removed afterwards), launched
+exactly as :class:`gefen_kernels.ops.step_plan.StepPlan` launches the real one, on a bf16
+``[8192, 8192]`` parameter (67M elements, far above the 50 MB L2) with 2048- and
+256-element blocks, block and factored mode. Variants marked ``ablation`` drop or cheapen a
+stage and give wrong numbers on purpose (their time bounds that stage's cost); ``candidate``
+variants are meant to give the same codes, scales and parameters as the production kernel,
+and the script checks that they do, bit for bit, on the same inputs. Variants whose
+pattern is not in the sources given (an older or newer version) are skipped.
+
+Also prints, for a Llama-3.2-1B-shaped bf16 set stepped once by ``Gefen`` (random
+gradients, as ``gefen-bench step``), which period and route each tensor got.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import pathlib
+import sys
+from collections import Counter
+from typing import Any
+
+import torch
+
+import gefen_kernels.ops as ops_pkg
+from gefen_kernels.ops._search_table import kernel_table
+from gefen_kernels.ops.factored_step import factored_stats_triton
+from gefen_kernels.ops.step_plan import StepPlan
+
+NCOLS = 8192
+# (file, old, new); every `old` must occur in the file.
+Patch = tuple[str, str, str]
+_SK, _TH = "_step_kernels.py", "_triton_helpers.py"
+VARIANTS: dict[str, tuple[str, list[Patch]]] = {
+    "base": ("production", []),
+    "rn_cast": ("candidate: bf16 rounding by the hardware cast (cvt.rn) instead of integer ops", [
+        (_TH, "    if dtype == tl.bfloat16:\n        bits",
+         "    if dtype == tl.float64:\n        bits"),
+    ]),
+    "evict_g": ("candidate: grad loaded evict_first", [
+        (_SK, "g = tl.load(g_ptr + offs, mask=mask, other=0.0)",
+         "g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy='evict_first')"),
+    ]),
+    "no_div": ("ablation: m * (1/s) per block instead of m / s per element", [
+        (_SK, "tl.math.div_rn(m, tl.where(positive, s_new, 1.0))",
+         "m * tl.math.div_rn(1.0, tl.where(positive, s_new, 1.0))"),
+    ]),
+    "no_search": ("ablation: quantiser replaced by an affine round (no table, no pair gather)", [
+        (_SK, "q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)",
+         "q, codeword = tl.minimum(tl.maximum((z * 127.5 + 127.5).to(tl.int32), 0), 255), z"),
+    ]),
+    "no_cb_gather": ("ablation: momentum codeword from the code by arithmetic, no gather", [
+        (_SK, "tl.load(cb_ptr + code), g)", "code.to(tl.float32) * 0.0078125 - 1.0, g)"),
+    ]),
+    "shift_rowcol": ("ablation (factored): row/column by shift and mask (ncols = 8192)", [
+        (_SK, "row_ptr + offs // ncols", "row_ptr + (offs >> 13)"),
+        (_SK, "col_ptr + offs % ncols", "col_ptr + (offs & 8191)"),
+    ]),
+    "fast_sigma": ("ablation (factored): approximate sqrt and reciprocal for sigma", [
+        (_SK, "        h = tl.math.sqrt_rn(big_v * bc2)\n        h = h + eps\n"
+              "        sigma = tl.math.div_rn(1.0, h) * bc1",
+         "        h = tl.sqrt(big_v * bc2)\n        h = h + eps\n        sigma = bc1 / h"),
+    ]),
+}
+VARIANTS["all_ablations"] = ("ablation: every ablation and candidate above at once", [
+    p for name, (_, ps) in VARIANTS.items() if name != "base" for p in ps])
+VARIANTS["no_gathers"] = ("ablation: no_search and no_cb_gather together", [
+    *VARIANTS["no_search"][1], *VARIANTS["no_cb_gather"][1]])
+
+
+def _learned_codebook() -> torch.Tensor:
+    """The exact quantizer's codebook (gefen_core) for block-normalised Gaussian momentum,
+    as the optimizer learns it at its first step."""
+    from gefen_core.codebook import optimal_codebook
+
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(4096, 256, generator=gen)
+    z = (m / m.abs().amax(dim=1, keepdim=True)).reshape(-1)
+    return optimal_codebook(torch.histc(z, 4096, -1, 1).to(torch.int64)).float()
+
+
+def _load_variant(name: str, patches: list[Patch]) -> Any:
+    """Write patched copies of the two modules into the ops package and import them
+    (``None``: a pattern is not in this version of the sources)."""
+    src_dir = pathlib.Path(ops_pkg.__file__).parent
+    th_mod, sk_mod = f"_abl_{name}_th", f"_abl_{name}_sk"
+    texts = {f: (src_dir / f).read_text() for f in (_SK, _TH)}
+    for file, old, new in patches:
+        if old not in texts[file]:
+            return None
+        texts[file] = texts[file].replace(old, new)
+    texts[_SK] = texts[_SK].replace("from ._triton_helpers import", f"from .{th_mod} import")
+    (src_dir / f"{th_mod}.py").write_text(texts[_TH])
+    (src_dir / f"{sk_mod}.py").write_text(texts[_SK])
+    return importlib.import_module(f"gefen_kernels.ops.{sk_mod}")
+
+
+def _cleanup() -> None:
+    for f in pathlib.Path(ops_pkg.__file__).parent.glob("_abl_*.py"):
+        f.unlink()
+
+
+DEVICE = torch.device("cuda")
+ROWS = 8192
+
+
+def _time(fn: Any, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    if DEVICE.type != "cuda":  # the interpreter smoke run (--device cpu): no timing
+        return float("nan")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+class Case:
+    """One bf16 [8192, 8192] parameter with its state, in ``[numel / period, period]`` blocks."""
+
+    def __init__(self, period: int, factored: bool) -> None:  # noqa: D107
+        dev = DEVICE
+        gen = torch.Generator(device=dev).manual_seed(0)
+        shape = (ROWS, NCOLS)
+        n = shape[0] * shape[1]
+        blocks = n // period
+        self.p = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
+        self.g = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
+        self.codes = torch.randint(0, 256, (blocks, period), device=dev, dtype=torch.uint8,
+                                   generator=gen)
+        self.scale = torch.rand(blocks, 1, device=dev, generator=gen) + 0.5
+        self.codebook = _learned_codebook().to(dev)
+        self.sq = None if factored else torch.rand(blocks, 1, device=dev, generator=gen)
+        self.row = torch.rand(shape[0], device=dev, generator=gen) if factored else None
+        self.col = torch.rand(shape[1], device=dev, generator=gen) if factored else None
+        self.plan = StepPlan(self.p, self.codes, self.scale, self.sq, self.row, self.col,
+                             self.codebook, beta1=0.9, beta2=0.999, eps=1e-8, maximize=False,
+                             stochastic_round=False, capturable=False)
+        assert self.plan.route == "tile", self.plan.route
+        self.inv_rbar = None
+        if factored:
+            layout = self.plan._stats_layout
+            self.inv_rbar = factored_stats_triton(self.g, self.row, self.col, beta2=0.999,
+                                                  layout=layout)
+        self.factored = factored
+        self.period = period
+
+    def state(self) -> list[torch.Tensor]:
+        return [t for t in (self.p, self.codes, self.scale, self.sq) if t is not None]
+
+    def args(self) -> tuple[Any, ...]:
+        dummy = self.codebook
+        b1, omb1, b2, omb2, eps = self.plan._floats
+        # (num_blocks, period, ncols) and, from the decision-table version on, the divider.
+        return (self.p, self.g, self.codes, self.scale, self.sq if self.sq is not None else dummy,
+                self.row if self.row is not None else dummy,
+                self.col if self.col is not None else dummy,
+                self.inv_rbar if self.inv_rbar is not None else dummy, self.codebook,
+                self.plan._table, dummy, dummy, *self.plan._ints, b1, omb1, b2, omb2,
+                eps, 1e-4, 1.0, 1.0, 1.0 - 1e-5)
+
+    def launch(self, module: Any) -> None:
+        module._step_tile_kernel[self.plan._grid](*self.args(), 0, **self.plan._consts)
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+               if x.dtype != torch.float32 else torch.equal(x.view(torch.int32),
+                                                            y.view(torch.int32))
+               for x, y in zip(a, b))
+
+
+def _check(case: Case, run: Any) -> str:
+    """Run production and ``run`` once each from the same state; compare every output."""
+    saved = [t.clone() for t in case.state()]
+    case.launch(importlib.import_module("gefen_kernels.ops._step_kernels"))
+    expect = [t.clone() for t in case.state()]
+    for t, s in zip(case.state(), saved):
+        t.copy_(s)
+    run()
+    got = [t.clone() for t in case.state()]
+    for t, s in zip(case.state(), saved):
+        t.copy_(s)
+    return "bit-identical" if _same(expect, got) else "DIFFERS"
+
+
+def _periods() -> None:
+    from gefen_bench.param_sets import build_param_set, shapes_for
+    from gefen_core import Gefen
+
+    named = build_param_set(shapes_for("llama", "full"), device=DEVICE,
+                            dtype=torch.bfloat16)
+    opt = Gefen(named, lr=1e-4, weight_decay=0.0)
+    opt.step()
+    torch.cuda.synchronize()
+    seen: Counter[tuple[Any, ...]] = Counter()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            if "exp_avg_codes" not in st:
+                continue
+            b, per = st["exp_avg_codes"].shape
+            from gefen_kernels.ops._step_kernels import choose_route
+            seen[(tuple(p.shape), int(per), choose_route(int(b), int(per), p.device),
+                  "exp_avg_sq_row" in st)] += 1
+    print("\nLlama-3.2-1B-shaped set after one Gefen step (shape, period, route, factored): count")
+    for key, count in sorted(seen.items(), key=lambda kv: -kv[1] * torch.Size(kv[0][0]).numel()):
+        print(f"  {key}: {count}")
+    del opt, named
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--no-periods", action="store_true")
+    parser.add_argument("--ncu", action="store_true",
+                        help="one production launch per case and nothing else (run under ncu)")
+    parser.add_argument("--device", default="cuda",
+                        help="cpu: a smoke run under TRITON_INTERPRET=1 with 8 rows")
+    args = parser.parse_args()
+    global DEVICE, ROWS
+    DEVICE = torch.device(args.device)
+    if DEVICE.type != "cuda":
+        ROWS = 8
+    if args.ncu:
+        prod = importlib.import_module("gefen_kernels.ops._step_kernels")
+        for factored in (True, False):
+            Case(2048, factored).launch(prod)
+        torch.cuda.synchronize()
+        return
+    if not args.no_periods:
+        _periods()
+    names = args.variants.split(",")
+    modules = {}
+    try:
+        for name in names:
+            modules[name] = _load_variant(name, VARIANTS[name][1])
+        for name in names:
+            state = "" if modules[name] is not None else " (not applicable to these sources)"
+            print(f"  {name:14s} {VARIANTS[name][0]}{state}")
+        names = [name for name in names if modules[name] is not None]
+        print(f"\ncodebook: the learned one of _learned_codebook(); kernel table STEPS "
+              f"{kernel_table(_learned_codebook().to(DEVICE))[1]} (-1: decision table)")
+        n = ROWS * NCOLS
+        src = torch.empty(n * 4, dtype=torch.uint8, device=DEVICE)
+        dst = torch.empty_like(src)
+        copy_ms = _time(functools.partial(dst.copy_, src), args.reps)
+        src = dst = torch.empty(0)
+        print(f"\ncopy of 8 B/param for {n} elements: {copy_ms:.3f} ms")
+        rows = []
+        for factored in (True, False):
+            for period in (2048, 256):
+                case = Case(period, factored)
+                mode = "factored" if factored else "block"
+                tag = f"{mode} P={period} BPP={case.plan._consts['BPP']} " \
+                      f"warps={case.plan._consts['num_warps']} STEPS={case.plan._consts['STEPS']}"
+                for name in names:
+                    run = functools.partial(case.launch, modules[name])
+                    ms = _time(run, args.reps)
+                    same = ""
+                    if VARIANTS[name][0].startswith("candidate"):
+                        same = _check(case, run)
+                    rows.append((tag, name, ms, same))
+                case = None  # type: ignore[assignment]
+                torch.cuda.empty_cache()
+        print(f"\n{'case':36s} {'variant':18s} {'ms':>7s} {'% copy':>7s}  check")
+        for tag, name, ms, same in rows:
+            print(f"{tag:36s} {name:18s} {ms:7.3f} {copy_ms / ms:7.0%}  {same}")
+    finally:
+        _cleanup()
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -28,6 +28,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+from kernel_sweep import median_event_ms
 
 import gefen_kernels.ops as ops_pkg
 from gefen_kernels.ops._search_table import kernel_table
@@ -40,39 +41,79 @@ Patch = tuple[str, str, str]
 _SK, _TH = "_step_kernels.py", "_triton_helpers.py"
 VARIANTS: dict[str, tuple[str, list[Patch]]] = {
     "base": ("production", []),
-    "rn_cast": ("candidate: bf16 rounding by the hardware cast (cvt.rn) instead of integer ops", [
-        (_TH, "    if dtype == tl.bfloat16:\n        bits",
-         "    if dtype == tl.float64:\n        bits"),
-    ]),
-    "evict_g": ("candidate: grad loaded evict_first", [
-        (_SK, "g = tl.load(g_ptr + offs, mask=mask, other=0.0)",
-         "g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy='evict_first')"),
-    ]),
-    "no_div": ("ablation: m * (1/s) per block instead of m / s per element", [
-        (_SK, "tl.math.div_rn(m, tl.where(positive, s_new, 1.0))",
-         "m * tl.math.div_rn(1.0, tl.where(positive, s_new, 1.0))"),
-    ]),
-    "no_search": ("ablation: quantiser replaced by an affine round (no table, no pair gather)", [
-        (_SK, "q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)",
-         "q, codeword = tl.minimum(tl.maximum((z * 127.5 + 127.5).to(tl.int32), 0), 255), z"),
-    ]),
-    "no_cb_gather": ("ablation: momentum codeword from the code by arithmetic, no gather", [
-        (_SK, "tl.load(cb_ptr + code), g)", "code.to(tl.float32) * 0.0078125 - 1.0, g)"),
-    ]),
-    "shift_rowcol": ("ablation (factored): row/column by shift and mask (ncols = 8192)", [
-        (_SK, "row_ptr + offs // ncols", "row_ptr + (offs >> 13)"),
-        (_SK, "col_ptr + offs % ncols", "col_ptr + (offs & 8191)"),
-    ]),
-    "fast_sigma": ("ablation (factored): approximate sqrt and reciprocal for sigma", [
-        (_SK, "        h = tl.math.sqrt_rn(big_v * bc2)\n        h = h + eps\n"
-              "        sigma = tl.math.div_rn(1.0, h) * bc1",
-         "        h = tl.sqrt(big_v * bc2)\n        h = h + eps\n        sigma = bc1 / h"),
-    ]),
+    "rn_cast": (
+        "candidate: bf16 rounding by the hardware cast (cvt.rn) instead of integer ops",
+        [
+            (
+                _TH,
+                "    if dtype == tl.bfloat16:\n        bits",
+                "    if dtype == tl.float64:\n        bits",
+            ),
+        ],
+    ),
+    "evict_g": (
+        "candidate: grad loaded evict_first",
+        [
+            (
+                _SK,
+                "g = tl.load(g_ptr + offs, mask=mask, other=0.0)",
+                "g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy='evict_first')",
+            ),
+        ],
+    ),
+    "no_div": (
+        "ablation: m * (1/s) per block instead of m / s per element",
+        [
+            (
+                _SK,
+                "tl.math.div_rn(m, tl.where(positive, s_new, 1.0))",
+                "m * tl.math.div_rn(1.0, tl.where(positive, s_new, 1.0))",
+            ),
+        ],
+    ),
+    "no_search": (
+        "ablation: quantiser replaced by an affine round (no table, no pair gather)",
+        [
+            (
+                _SK,
+                "q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)",
+                "q, codeword = tl.minimum(tl.maximum((z * 127.5 + 127.5).to(tl.int32), 0), 255), z",
+            ),
+        ],
+    ),
+    "no_cb_gather": (
+        "ablation: momentum codeword from the code by arithmetic, no gather",
+        [
+            (_SK, "tl.load(cb_ptr + code), g)", "code.to(tl.float32) * 0.0078125 - 1.0, g)"),
+        ],
+    ),
+    "shift_rowcol": (
+        "ablation (factored): row/column by shift and mask (ncols = 8192)",
+        [
+            (_SK, "row_ptr + offs // ncols", "row_ptr + (offs >> 13)"),
+            (_SK, "col_ptr + offs % ncols", "col_ptr + (offs & 8191)"),
+        ],
+    ),
+    "fast_sigma": (
+        "ablation (factored): approximate sqrt and reciprocal for sigma",
+        [
+            (
+                _SK,
+                "        h = tl.math.sqrt_rn(big_v * bc2)\n        h = h + eps\n"
+                "        sigma = tl.math.div_rn(1.0, h) * bc1",
+                "        h = tl.sqrt(big_v * bc2)\n        h = h + eps\n        sigma = bc1 / h",
+            ),
+        ],
+    ),
 }
-VARIANTS["all_ablations"] = ("ablation: every ablation and candidate above at once", [
-    p for name, (_, ps) in VARIANTS.items() if name != "base" for p in ps])
-VARIANTS["no_gathers"] = ("ablation: no_search and no_cb_gather together", [
-    *VARIANTS["no_search"][1], *VARIANTS["no_cb_gather"][1]])
+VARIANTS["all_ablations"] = (
+    "ablation: every ablation and candidate above at once",
+    [p for name, (_, ps) in VARIANTS.items() if name != "base" for p in ps],
+)
+VARIANTS["no_gathers"] = (
+    "ablation: no_search and no_cb_gather together",
+    [*VARIANTS["no_search"][1], *VARIANTS["no_cb_gather"][1]],
+)
 
 
 def _learned_codebook() -> torch.Tensor:
@@ -112,20 +153,10 @@ ROWS = 8192
 
 
 def _time(fn: Any, reps: int) -> float:
-    for _ in range(3):
-        fn()
     if DEVICE.type != "cuda":  # the interpreter smoke run (--device cpu): no timing
-        return float("nan")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+        return float("nan")
+    return float(median_event_ms(fn, reps, warmup=3))
 
 
 class Case:
@@ -139,22 +170,36 @@ class Case:
         blocks = n // period
         self.p = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
         self.g = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
-        self.codes = torch.randint(0, 256, (blocks, period), device=dev, dtype=torch.uint8,
-                                   generator=gen)
+        self.codes = torch.randint(
+            0, 256, (blocks, period), device=dev, dtype=torch.uint8, generator=gen
+        )
         self.scale = torch.rand(blocks, 1, device=dev, generator=gen) + 0.5
         self.codebook = _learned_codebook().to(dev)
         self.sq = None if factored else torch.rand(blocks, 1, device=dev, generator=gen)
         self.row = torch.rand(shape[0], device=dev, generator=gen) if factored else None
         self.col = torch.rand(shape[1], device=dev, generator=gen) if factored else None
-        self.plan = StepPlan(self.p, self.codes, self.scale, self.sq, self.row, self.col,
-                             self.codebook, beta1=0.9, beta2=0.999, eps=1e-8, maximize=False,
-                             stochastic_round=False, capturable=False)
+        self.plan = StepPlan(
+            self.p,
+            self.codes,
+            self.scale,
+            self.sq,
+            self.row,
+            self.col,
+            self.codebook,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            maximize=False,
+            stochastic_round=False,
+            capturable=False,
+        )
         assert self.plan.route == "tile", self.plan.route
         self.inv_rbar = None
         if factored:
             layout = self.plan._stats_layout
-            self.inv_rbar = factored_stats_triton(self.g, self.row, self.col, beta2=0.999,
-                                                  layout=layout)
+            self.inv_rbar = factored_stats_triton(
+                self.g, self.row, self.col, beta2=0.999, layout=layout
+            )
         self.factored = factored
         self.period = period
 
@@ -165,22 +210,42 @@ class Case:
         dummy = self.codebook
         b1, omb1, b2, omb2, eps = self.plan._floats
         # (num_blocks, period, ncols) and, from the decision-table version on, the divider.
-        return (self.p, self.g, self.codes, self.scale, self.sq if self.sq is not None else dummy,
-                self.row if self.row is not None else dummy,
-                self.col if self.col is not None else dummy,
-                self.inv_rbar if self.inv_rbar is not None else dummy, self.codebook,
-                self.plan._table, dummy, dummy, *self.plan._ints, b1, omb1, b2, omb2,
-                eps, 1e-4, 1.0, 1.0, 1.0 - 1e-5)
+        return (
+            self.p,
+            self.g,
+            self.codes,
+            self.scale,
+            self.sq if self.sq is not None else dummy,
+            self.row if self.row is not None else dummy,
+            self.col if self.col is not None else dummy,
+            self.inv_rbar if self.inv_rbar is not None else dummy,
+            self.codebook,
+            self.plan._table,
+            dummy,
+            dummy,
+            *self.plan._ints,
+            b1,
+            omb1,
+            b2,
+            omb2,
+            eps,
+            1e-4,
+            1.0,
+            1.0,
+            1.0 - 1e-5,
+        )
 
     def launch(self, module: Any) -> None:
         module._step_tile_kernel[self.plan._grid](*self.args(), 0, **self.plan._consts)
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-               if x.dtype != torch.float32 else torch.equal(x.view(torch.int32),
-                                                            y.view(torch.int32))
-               for x, y in zip(a, b))
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        if x.dtype != torch.float32
+        else torch.equal(x.view(torch.int32), y.view(torch.int32))
+        for x, y in zip(a, b)
+    )
 
 
 def _check(case: Case, run: Any) -> str:
@@ -201,8 +266,7 @@ def _periods() -> None:
     from gefen_bench.param_sets import build_param_set, shapes_for
     from gefen_core import Gefen
 
-    named = build_param_set(shapes_for("llama", "full"), device=DEVICE,
-                            dtype=torch.bfloat16)
+    named = build_param_set(shapes_for("llama", "full"), device=DEVICE, dtype=torch.bfloat16)
     opt = Gefen(named, lr=1e-4, weight_decay=0.0)
     opt.step()
     torch.cuda.synchronize()
@@ -214,8 +278,15 @@ def _periods() -> None:
                 continue
             b, per = st["exp_avg_codes"].shape
             from gefen_kernels.ops._step_kernels import choose_route
-            seen[(tuple(p.shape), int(per), choose_route(int(b), int(per), p.device),
-                  "exp_avg_sq_row" in st)] += 1
+
+            seen[
+                (
+                    tuple(p.shape),
+                    int(per),
+                    choose_route(int(b), int(per), p.device),
+                    "exp_avg_sq_row" in st,
+                )
+            ] += 1
     print("\nLlama-3.2-1B-shaped set after one Gefen step (shape, period, route, factored): count")
     for key, count in sorted(seen.items(), key=lambda kv: -kv[1] * torch.Size(kv[0][0]).numel()):
         print(f"  {key}: {count}")
@@ -228,10 +299,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--no-periods", action="store_true")
-    parser.add_argument("--ncu", action="store_true",
-                        help="one production launch per case and nothing else (run under ncu)")
-    parser.add_argument("--device", default="cuda",
-                        help="cpu: a smoke run under TRITON_INTERPRET=1 with 8 rows")
+    parser.add_argument(
+        "--ncu",
+        action="store_true",
+        help="one production launch per case and nothing else (run under ncu)",
+    )
+    parser.add_argument(
+        "--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 with 8 rows"
+    )
     args = parser.parse_args()
     global DEVICE, ROWS
     DEVICE = torch.device(args.device)
@@ -254,8 +329,10 @@ def main() -> None:
             state = "" if modules[name] is not None else " (not applicable to these sources)"
             print(f"  {name:14s} {VARIANTS[name][0]}{state}")
         names = [name for name in names if modules[name] is not None]
-        print(f"\ncodebook: the learned one of _learned_codebook(); kernel table STEPS "
-              f"{kernel_table(_learned_codebook().to(DEVICE))[1]} (-1: decision table)")
+        print(
+            f"\ncodebook: the learned one of _learned_codebook(); kernel table STEPS "
+            f"{kernel_table(_learned_codebook().to(DEVICE))[1]} (-1: decision table)"
+        )
         n = ROWS * NCOLS
         src = torch.empty(n * 4, dtype=torch.uint8, device=DEVICE)
         dst = torch.empty_like(src)
@@ -267,8 +344,10 @@ def main() -> None:
             for period in (2048, 256):
                 case = Case(period, factored)
                 mode = "factored" if factored else "block"
-                tag = f"{mode} P={period} BPP={case.plan._consts['BPP']} " \
-                      f"warps={case.plan._consts['num_warps']} STEPS={case.plan._consts['STEPS']}"
+                tag = (
+                    f"{mode} P={period} BPP={case.plan._consts['BPP']} "
+                    f"warps={case.plan._consts['num_warps']} STEPS={case.plan._consts['STEPS']}"
+                )
                 for name in names:
                     run = functools.partial(case.launch, modules[name])
                     ms = _time(run, args.reps)

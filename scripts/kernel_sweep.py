@@ -20,8 +20,10 @@ from gefen_kernels.ops.factored_step import factored_stats_triton, stats_layout
 from gefen_kernels.ops.step_plan import StepPlan
 
 
-def _time(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(5):
+def median_event_ms(fn, reps: int = 50, warmup: int = 5) -> float:  # type: ignore[no-untyped-def]
+    """Median CUDA-event milliseconds of ``fn`` over ``reps`` calls after ``warmup`` calls
+    (also used by ``kernel_ablation.py``)."""
+    for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -65,12 +67,12 @@ def _case(shape: tuple[int, int], factored: bool) -> None:
     n = p.numel()
     src = torch.empty(n * 4, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    copy_ms = _time(lambda: dst.copy_(src))  # 4 B/param each way = 8 B/param moved
+    copy_ms = median_event_ms(lambda: dst.copy_(src))  # 4 B/param each way = 8 B/param moved
     mode = "factored" if factored else "block"
     print(f"\n{list(shape)} {mode}, route {plan.route}: copy of 8 B/param {copy_ms:.3f} ms")
     if factored:
         layout = stats_layout(rows, cols)
-        ms = _time(lambda: factored_stats_triton(g, row, col, beta2=0.999, layout=layout))
+        ms = median_event_ms(lambda: factored_stats_triton(g, row, col, beta2=0.999, layout=layout))
         print(f"  statistics + finalize alone: {ms:.3f} ms ({2 * n / ms / 1e6:.0f} GB/s of grad)")
     base = dict(plan._consts)
     grid = plan._grid
@@ -90,7 +92,7 @@ def _case(shape: tuple[int, int], factored: bool) -> None:
         def step() -> None:
             plan.launch(g, lr=1e-4, bc1_recip=1.0, bc2=1.0, decay=1.0, seed=0)
 
-        ms = _time(step)
+        ms = median_event_ms(step)
         print(
             f"  num_warps={warps:2d} BPP={consts.get('BPP', '-')} maxnreg={cap or '-'}: "
             f"{ms:.3f} ms, "

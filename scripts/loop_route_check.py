@@ -19,8 +19,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]
-                       / "packages" / "gefen-kernels" / "tests" / "ops"))
+sys.path.insert(
+    0,
+    str(
+        pathlib.Path(__file__).resolve().parents[1] / "packages" / "gefen-kernels" / "tests" / "ops"
+    ),
+)
 
 CASES = [(8192, 8192), (8192, 8191), (65536, 65536)]  # (period, make_codebook seed)
 
@@ -44,33 +48,78 @@ def main() -> None:
         gen = torch.Generator(device="cuda").manual_seed(period)
         param = torch.randn(blocks * period, device="cuda", generator=gen).to(torch.bfloat16)
         grad = torch.randn(blocks * period, device="cuda", generator=gen).to(torch.bfloat16)
-        state = {"codes": torch.randint(0, 256, (blocks, period), device="cuda",
-                                        dtype=torch.uint8, generator=gen),
-                 "scale": torch.rand(blocks, 1, device="cuda", generator=gen) * 0.1,
-                 "exp_avg_sq": torch.rand(blocks, 1, device="cuda", generator=gen) * 1e-2}
+        state = {
+            "codes": torch.randint(
+                0, 256, (blocks, period), device="cuda", dtype=torch.uint8, generator=gen
+            ),
+            "scale": torch.rand(blocks, 1, device="cuda", generator=gen) * 0.1,
+            "exp_avg_sq": torch.rand(blocks, 1, device="cuda", generator=gen) * 1e-2,
+        }
         cb = make_codebook(seed).cuda()
         hp = _hyper(3, 1e-3, 0.01)
         ref_p, ref_s = param.clone(), clone_state(state)
-        block_step_reference(ref_p, grad, ref_s["codes"], ref_s["scale"], ref_s["exp_avg_sq"],
-                             cb, **hp)
+        block_step_reference(
+            ref_p, grad, ref_s["codes"], ref_s["scale"], ref_s["exp_avg_sq"], cb, **hp
+        )
         tri_p, tri_s = param.clone(), clone_state(state)
-        launch_step(tri_p, grad, tri_s["codes"], tri_s["scale"], exp_avg_sq=tri_s["exp_avg_sq"],
-                    row=None, col=None, inv_rbar=None, ncols=1, codebook=cb, lr=hp["lr"],
-                    beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
-                    bc1_recip=hp["bc1_recip"], bc2=hp["bc2_rsqrt"], decay=hp["decay"],
-                    maximize=False, stochastic_round=False, seed=0, hyper=None,
-                    seed_tensor=None, route="loop")
+        launch_step(
+            tri_p,
+            grad,
+            tri_s["codes"],
+            tri_s["scale"],
+            exp_avg_sq=tri_s["exp_avg_sq"],
+            row=None,
+            col=None,
+            inv_rbar=None,
+            ncols=1,
+            codebook=cb,
+            lr=hp["lr"],
+            beta1=hp["beta1"],
+            beta2=hp["beta2"],
+            eps=hp["eps"],
+            bc1_recip=hp["bc1_recip"],
+            bc2=hp["bc2_rsqrt"],
+            decay=hp["decay"],
+            maximize=False,
+            stochastic_round=False,
+            seed=0,
+            hyper=None,
+            seed_tensor=None,
+            route="loop",
+        )
         a, b = tri_p.double(), ref_p.double()
         mag = torch.maximum(torch.maximum(a.abs(), b.abs()), param.double().abs())
         tol = torch.from_numpy(ulp(mag.cpu().numpy(), torch.bfloat16)).cuda()
         bad = (a - b).abs() > tol
-        print(label, period, "cb", seed, "codes_eq", torch.equal(tri_s["codes"], ref_s["codes"]),
-              "bad", int(bad.sum()), "neq", int((a != b).sum()))
+        print(
+            label,
+            period,
+            "cb",
+            seed,
+            "codes_eq",
+            torch.equal(tri_s["codes"], ref_s["codes"]),
+            "bad",
+            int(bad.sum()),
+            "neq",
+            int((a != b).sum()),
+        )
         for i in bad.nonzero().flatten()[:2].tolist():
             blk = i // period
-            print("   i", i, "p0", param[i].item(), "ref", ref_p[i].item(), "tri",
-                  tri_p[i].item(), "scale", ref_s["scale"][blk].item(), "v",
-                  ref_s["exp_avg_sq"][blk].item(), tri_s["exp_avg_sq"][blk].item())
+            print(
+                "   i",
+                i,
+                "p0",
+                param[i].item(),
+                "ref",
+                ref_p[i].item(),
+                "tri",
+                tri_p[i].item(),
+                "scale",
+                ref_s["scale"][blk].item(),
+                "v",
+                ref_s["exp_avg_sq"][blk].item(),
+                tri_s["exp_avg_sq"][blk].item(),
+            )
 
 
 if __name__ == "__main__":

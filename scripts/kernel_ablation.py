@@ -28,12 +28,11 @@ from collections import Counter
 from typing import Any
 
 import torch
-from kernel_sweep import median_event_ms
+from kernel_sweep import diagnostic_plan, median_event_ms
 
 import gefen_kernels.ops as ops_pkg
 from gefen_kernels.ops._search_table import kernel_table
 from gefen_kernels.ops.factored_step import factored_stats_triton
-from gefen_kernels.ops.step_plan import StepPlan
 
 NCOLS = 8192
 # (file, old, new); every `old` must occur in the file.
@@ -178,20 +177,8 @@ class Case:
         self.sq = None if factored else torch.rand(blocks, 1, device=dev, generator=gen)
         self.row = torch.rand(shape[0], device=dev, generator=gen) if factored else None
         self.col = torch.rand(shape[1], device=dev, generator=gen) if factored else None
-        self.plan = StepPlan(
-            self.p,
-            self.codes,
-            self.scale,
-            self.sq,
-            self.row,
-            self.col,
-            self.codebook,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            maximize=False,
-            stochastic_round=False,
-            capturable=False,
+        self.plan = diagnostic_plan(
+            self.p, self.codes, self.scale, self.sq, self.row, self.col, self.codebook
         )
         assert self.plan.route == "tile", self.plan.route
         self.inv_rbar = None

@@ -37,19 +37,10 @@ def median_event_ms(fn, reps: int = 50, warmup: int = 5) -> float:  # type: igno
     return times[len(times) // 2]
 
 
-def _case(shape: tuple[int, int], factored: bool) -> None:
-    rows, cols = shape
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    p = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
-    g = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
-    codes = torch.randint(0, 256, (rows, cols), device=dev, dtype=torch.uint8, generator=gen)
-    scale = torch.rand(rows, 1, device=dev, generator=gen) + 0.5
-    codebook = torch.linspace(-1.0, 1.0, 256, device=dev)
-    sq = None if factored else torch.rand(rows, 1, device=dev, generator=gen)
-    row = torch.rand(rows, device=dev, generator=gen) if factored else None
-    col = torch.rand(cols, device=dev, generator=gen) if factored else None
-    plan = StepPlan(
+def diagnostic_plan(p, codes, scale, sq, row, col, codebook) -> StepPlan:  # type: ignore[no-untyped-def]
+    """The step plan the diagnostics time: AdamW-default betas and eps, nearest rounding, no
+    capture (also used by ``kernel_ablation.py``)."""
+    return StepPlan(
         p,
         codes,
         scale,
@@ -64,6 +55,21 @@ def _case(shape: tuple[int, int], factored: bool) -> None:
         stochastic_round=False,
         capturable=False,
     )
+
+
+def _case(shape: tuple[int, int], factored: bool) -> None:
+    rows, cols = shape
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    p = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
+    g = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
+    codes = torch.randint(0, 256, (rows, cols), device=dev, dtype=torch.uint8, generator=gen)
+    scale = torch.rand(rows, 1, device=dev, generator=gen) + 0.5
+    codebook = torch.linspace(-1.0, 1.0, 256, device=dev)
+    sq = None if factored else torch.rand(rows, 1, device=dev, generator=gen)
+    row = torch.rand(rows, device=dev, generator=gen) if factored else None
+    col = torch.rand(cols, device=dev, generator=gen) if factored else None
+    plan = diagnostic_plan(p, codes, scale, sq, row, col, codebook)
     n = p.numel()
     src = torch.empty(n * 4, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)

@@ -179,3 +179,22 @@ def test_step_cli_reports_state_per_half(tmp_path, capsys: pytest.CaptureFixture
     if HAS_TORCH_MUON:
         assert rows["muon"]["state_halves"]["backup"]["state_bytes"] \
             == rows["gefen-muon-hybrid-adamw"]["state_halves"]["backup"]["state_bytes"]
+
+
+def test_step_replot_draws_a_chart_from_saved_json(tmp_path) -> None:
+    """``--replot`` measures nothing: it reads a saved ``step.json`` and writes ``step.png``;
+    a JSON without measured rows is refused with an error naming the option."""
+    row = {"model": "llama", "optimizer": "gefen", "step_ms_median": 19.5,
+           "host_issue_ms_median": 6.3, "device_name": "test"}
+    saved = {"device": "cuda", "dtype": "bfloat16", "scale": "full", "steps": 50,
+             "rows": [row, {**row, "optimizer": "adamw-fused", "step_ms_median": 8.1}]}
+    path = tmp_path / "step.json"
+    path.write_text(json.dumps(saved))
+    main(["step", "--replot", str(path)])
+    png = (tmp_path / "step.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({**saved, "rows": []}))
+    with pytest.raises(SystemExit):
+        main(["step", "--replot", str(empty)])
+    assert not (tmp_path / "empty.png").exists()

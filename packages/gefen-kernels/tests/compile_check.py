@@ -5,8 +5,8 @@ only the compiler front end sees: an ``int`` argument equal to 1 becomes the *co
 Triton specialises it (``period.to(tl.float32)`` then fails), a pointer or integer divisible
 by 16 gets an alignment attribute, a ``tl.constexpr`` branch that the interpreter never took is
 type-checked. This script drives the real launchers (``block_step_triton``,
-``factored_step_triton``, ``multi_block_step_triton``, the quantize launchers, the Muon
-momentum launcher) over every route and constexpr combination they can pick, records each
+``factored_step_triton``, ``multi_block_step_triton``, ``StepGroups``, the quantize launchers,
+the Muon momentum launcher) over every route and constexpr combination they can pick, records each
 launch instead of running it, applies Triton's launch-time specialisation rules (ints equal
 to 1 -> constexpr, ints and pointers divisible by 16 -> ``tt.divisibility``), and compiles the
 result ahead of time with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``.
@@ -341,6 +341,26 @@ def scenarios() -> Iterator[Callable[[], None]]:
                     hyper=torch.ones(len(shapes), 4),
                     seeds=torch.ones(len(shapes), dtype=torch.int64), **flags)
         yield run_m
+    # Grouped planned steps (step_groups): both modes, every dtype pair, aligned (multiples of
+    # 16) and unaligned classes, the rounding flags; OFFS64 in run_groups64 below.
+    for pdt, gdt in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                     (torch.float16, torch.float32), (torch.bfloat16, torch.float16)):
+        def run_g(pdt: torch.dtype = pdt, gdt: torch.dtype = gdt) -> None:
+            _group_launch([((64, 96), 32), ((7, 13), 7), ((16, 1024), 2048), ((2048, 64), 1),
+                           ((1, 1), 1), ((48,), 16), ((21,), 7), ((4096,), 2048)], pdt, gdt, cb)
+        yield run_g
+
+    def run_groups64() -> None:
+        from gefen_kernels.ops import step_plan
+
+        original = step_plan.needs_int64
+        step_plan.needs_int64 = lambda *args, **kwargs: True
+        try:
+            _group_launch([((64, 96), 32), ((7, 13), 7), ((48,), 16)], torch.bfloat16,
+                          torch.bfloat16, cb)
+        finally:
+            step_plan.needs_int64 = original
+    yield run_groups64
     # The Muon momentum (§3.8): every route, dtype and constexpr flag.
     from gefen_kernels.ops._muon_kernels import launch_muon_momentum
 
@@ -374,6 +394,41 @@ def scenarios() -> Iterator[Callable[[], None]]:
                                      use_table=use_table)
         yield run_mt
     _search_table._CACHE.clear()
+
+
+def _group_launch(cases: list[tuple[tuple[int, ...], int]], pdt: torch.dtype,
+                  gdt: torch.dtype, cb: torch.Tensor) -> None:
+    """One StepGroups step per rounding flag set over ``cases`` ((shape, period); 2-D shapes
+    factored)."""
+    from gefen_kernels.ops.step_groups import StepGroups
+    from gefen_kernels.ops.step_plan import StepPlan
+
+    for flags in ({"maximize": False, "stochastic_round": False},
+                  {"maximize": True, "stochastic_round": True}):
+        plans, grads, keep = [], [], []  # plans hold weak references: keep the tensors
+        for shape, period in cases:
+            n = 1
+            for d in shape:
+                n *= d
+            codes = torch.zeros(n // period, period, dtype=torch.uint8)
+            scale = torch.zeros(n // period, 1)
+            factored = len(shape) == 2
+            sq = None if factored else torch.zeros(n // period, 1)
+            row = torch.zeros(shape[0]) if factored else None
+            col = torch.zeros(shape[1]) if factored else None
+            param = torch.zeros(shape, dtype=pdt)
+            keep.append((param, codes, scale, sq, row, col))
+            plans.append(StepPlan(param, codes, scale, sq, row, col, cb, beta1=0.9, beta2=0.999,
+                                  eps=1e-8, capturable=False, **flags))
+            grads.append(torch.zeros(shape, dtype=gdt))
+        scalars = [(1e-3, 10.0, 30.0, 1.0)] * len(plans)
+        StepGroups(plans, grads).launch(grads, scalars, [3] * len(plans))
+        # Unaligned gradients: the class without alignment hints.
+        shifted = []
+        for g in grads:
+            buf = torch.zeros(g.numel() + 1, dtype=g.dtype)
+            shifted.append(buf[1:].view_as(g))
+        StepGroups(plans, shifted).launch(shifted, scalars, [3] * len(plans))
 
 
 REGISTERS_PER_SM = 65536  # sm_90 register file, 32-bit registers

@@ -43,7 +43,8 @@ def test_every_kernel_compiles_for_sm90() -> None:
     assert proc.returncode == 0, report[-8000:]
     assert "0 failed" in report and "_step_tile_kernel" in report, report[-2000:]
     for kernel in ("_step_loop_kernel", "_step_partial_kernel", "_step_apply_kernel",
-                   "_factored_stats_kernel", "_factored_finalize_kernel", "_multi_tile_kernel",
+                   "_factored_stats_kernel", "_factored_finalize_kernel",
+                   "_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel",
                    "_quantize_kernel", "_muon_tile_kernel", "_muon_loop_kernel",
                    "_muon_apply_kernel"):
         assert kernel in report, f"{kernel} was never launched by the scenarios:\n{report}"

@@ -72,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds per optimizer process (default 900)")
     parser.add_argument("--out", type=Path, default=Path("gefen-bench-out/step"),
-                        help="directory for step.json")
+                        help="directory for step.json and step.png")
+    parser.add_argument("--replot", type=Path, default=None, metavar="STEP_JSON",
+                        help="measure nothing: draw step.png next to an existing step.json")
 
 
 def _median(values: list[float]) -> float:
@@ -253,9 +255,62 @@ def _halves_table(rows: list[dict[str, Any]]) -> list[list[Any]]:
     return table
 
 
+def plot_step(path: Path, rows: list[dict[str, Any]], title: str) -> Path:
+    """PNG: one panel per model, one bar per optimizer of the median steady ``opt.step()``
+    time (ms), with the host-issue time (ms) drawn over each bar and the ratio to
+    ``adamw-fused`` of the same model written above it (when that optimizer was measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .report import save_figure
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(6 * max(1, len(models)), 4.2),
+                             squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        base = next((r["step_ms_median"] for r in mine if r["optimizer"] == "adamw-fused"),
+                    None)
+        names = [r["optimizer"] for r in mine]
+        steps = [r["step_ms_median"] for r in mine]
+        ax.bar(range(len(mine)), steps, color="tab:blue", label="step (CUDA events)")
+        ax.scatter(range(len(mine)), [r["host_issue_ms_median"] for r in mine], marker="_",
+                   s=400, color="black", zorder=3, label="host issue")
+        for i, value in enumerate(steps):
+            text = f"{value:.3g} ms" + (f"\n{value / base:.2f}x" if base else "")
+            ax.annotate(text, (i, value), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(mine)), names, rotation=20, ha="right", fontsize=8)
+        ax.set(title=f"{model}: median opt.step()", ylabel="ms")
+        ax.set_ylim(0, max(steps) * 1.25)
+        ax.legend(fontsize=8)
+    return save_figure(fig, title, path)
+
+
+def _title(report: dict[str, Any]) -> str:
+    device = next((r.get("device_name") for r in report["rows"]), report["device"])
+    return (f"gefen-bench step · {device} · {report['dtype']} · {report['scale']} shapes · "
+            f"{report['steps']} timed steps")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the micro-benchmark; prints the table and writes ``step.json`` under ``args.out``."""
+    """Run the micro-benchmark; prints the table and writes ``step.json`` and ``step.png``
+    under ``args.out`` (or, with ``--replot``, only draws the PNG of an existing JSON)."""
+    import json
+
     from .train import parse_assignments
+
+    if getattr(args, "replot", None) is not None:
+        try:
+            saved = json.loads(args.replot.read_text())
+        except (OSError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(f"--replot {args.replot}: {exc}") from None
+        if not isinstance(saved, dict) or not saved.get("rows"):
+            raise argparse.ArgumentTypeError(f"--replot {args.replot}: no measured rows")
+        png = plot_step(args.replot.with_suffix(".png"), saved["rows"], _title(saved))
+        console.print(f"chart: {png.resolve()}")
+        return saved
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in models:
@@ -337,5 +392,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     final["wall_s"] = wall
     path = write_json(args.out / "step.json", "step", final, seeds=[0],
                       argv=getattr(args, "argv", None))
+    if rows:
+        plot_step(path.with_suffix(".png"), rows, _title(final))
     console.print(f"wall {wall:.0f} s · JSON: {path.resolve()}")
     return final

@@ -398,6 +398,7 @@ def _planned_gefen(
                       seeds=seeds if stochastic_round else None)
         return
     options = (beta1, beta2, eps, bool(maximize), bool(stochastic_round), bool(capturable))
+    grouped: list[tuple[Any, Tensor, int]] = []  # (plan, contiguous grad, index)
     for i in range(n):
         param, grad = params[i], grads[i]
         sq, row, col = exp_avg_sqs[i], exp_avg_sq_rows[i], exp_avg_sq_cols[i]
@@ -420,8 +421,43 @@ def _planned_gefen(
             plan.launch(g, lr=0.0, bc1_recip=0.0, bc2=0.0, decay=1.0, seed=0, hyper=hypers[i],
                         seed_tensor=seed_tensor)
         else:
-            lr32, bc1_32, bc2_32, decay32 = host[i]
-            plan.launch(g, lr=lr32, bc1_recip=bc1_32, bc2=bc2_32, decay=decay32, seed=seed)
+            grouped.append((plan, g, i))
+    if len(grouped) > 1 and not torch.cuda.is_current_stream_capturing():
+        _grouped_launch(grouped, host, seeds if stochastic_round else None,
+                        anchor=exp_avg_codes[grouped[0][2]])
+        return
+    for plan, g, i in grouped:
+        lr32, bc1_32, bc2_32, decay32 = host[i]
+        plan.launch(g, lr=lr32, bc1_recip=bc1_32, bc2=bc2_32, decay=decay32,
+                    seed=0 if seeds is None else seeds[i])
+
+
+# Grouped launches (gefen_kernels.ops.step_groups), keyed (weakly) by the first plan's codes.
+_GROUPS: Any = None
+
+
+def _grouped_launch(grouped: Sequence[tuple[Any, Tensor, int]],
+                    host: Sequence[tuple[float, float, float, float]],
+                    seeds: Sequence[int] | None, *, anchor: Tensor) -> None:
+    """The planned tensors of one step in a few launches per class of tensors (one per
+    block-mode class, three per chunk of a factored class) instead of one to three per
+    tensor: bit-identical to the per-plan launches. ``anchor``: the first tensor's codes; the
+    launch tables live as long as it does."""
+    global _GROUPS
+    from gefen_kernels.ops.step_groups import StepGroups
+
+    if _GROUPS is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _GROUPS = WeakIdKeyDictionary()
+    plans = [item[0] for item in grouped]
+    grads = [item[1] for item in grouped]
+    groups = _GROUPS.get(anchor)
+    if groups is None or not groups.matches(plans, grads):
+        groups = StepGroups(plans, grads)
+        _GROUPS[anchor] = groups
+    groups.launch(grads, [host[i] for _, _, i in grouped],
+                  None if seeds is None else [seeds[i] for _, _, i in grouped])
 
 
 def _graphable(params: Sequence[Tensor],

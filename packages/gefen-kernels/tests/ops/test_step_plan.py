@@ -90,8 +90,10 @@ def test_factored_plan_matches_factored_step_triton(capturable: bool) -> None:
 
 
 def test_plan_refuses_bad_state_at_construction() -> None:
-    param = torch.zeros(8, 6)
+    dev = _device()  # CPU tensors outside the interpreter would fail the device check first
+    param = torch.zeros(8, 6, device=dev)
     with pytest.raises(ValueError, match="exp_avg_sq_col must have shape"):
-        StepPlan(param, torch.zeros(4, 12, dtype=torch.uint8), torch.zeros(4, 1), None,
-                 torch.zeros(8), torch.zeros(5), make_codebook(1), beta1=0.9, beta2=0.999,
+        StepPlan(param, torch.zeros(4, 12, dtype=torch.uint8, device=dev),
+                 torch.zeros(4, 1, device=dev), None, torch.zeros(8, device=dev),
+                 torch.zeros(5, device=dev), make_codebook(1).to(dev), beta1=0.9, beta2=0.999,
                  eps=1e-8, maximize=False, stochastic_round=False, capturable=False)

@@ -354,6 +354,15 @@ _FIN_TOTAL = 1024
 def _factored_stats_kernel(g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows, ncols,  # type: ignore[no-untyped-def]
                            n_col_tiles, n_splits, tiles_per_split, rows_per_program,
                            RB: tl.constexpr, CB: tl.constexpr):
+    """The statistics of one gradient: program ``pid`` runs :func:`_stats_program`."""
+    _stats_program(tl.program_id(0), g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows,
+                   ncols, n_col_tiles, n_splits, tiles_per_split, rows_per_program, RB, CB)
+
+
+@jit
+def _stats_program(pid, g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows, ncols,  # type: ignore[no-untyped-def]
+                   n_col_tiles, n_splits, tiles_per_split, rows_per_program,
+                   RB: tl.constexpr, CB: tl.constexpr):
     """Partial sums of g^2 (fp32) of a ``[rows_per_program, tiles_per_split * CB]`` block of a
     ``[R, C]`` gradient; program ``pid`` is row strip ``pid // n_splits``, split
     ``pid % n_splits``.
@@ -370,7 +379,6 @@ def _factored_stats_kernel(g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows,
     (read back after a CTA barrier; the same program wrote them). Tile offsets are int32, the
     row base int64, so no offset overflows below ``2**31`` columns. Fixed order, no atomics.
     """
-    pid = tl.program_id(0)
     pr = pid // n_splits
     ps = pid % n_splits
     if pid == 0:
@@ -414,6 +422,19 @@ def _factored_finalize_kernel(row_part_ptr, col_part_ptr, row_in_ptr, row_out_pt
                               b2, omb2, PHASE: tl.constexpr, FR: tl.constexpr,
                               SR: tl.constexpr, FC: tl.constexpr, SP: tl.constexpr,
                               FT: tl.constexpr):
+    """The finalize of one tensor: program ``pid`` runs :func:`_finalize_program`."""
+    _finalize_program(tl.program_id(0), row_part_ptr, col_part_ptr, row_in_ptr, row_out_ptr,
+                      col_ptr, col_sum_ptr, total_ptr, inv_rbar_ptr, block_sum_ptr, ticket_ptr,
+                      nrows, ncols, n_splits, n_row_programs, rbar_rows, inv_c, inv_r, b2, omb2,
+                      PHASE, FR, SR, FC, SP, FT)
+
+
+@jit
+def _finalize_program(pid, row_part_ptr, col_part_ptr, row_in_ptr, row_out_ptr, col_ptr,  # type: ignore[no-untyped-def]
+                      col_sum_ptr, total_ptr, inv_rbar_ptr, block_sum_ptr, ticket_ptr, nrows,
+                      ncols, n_splits, n_row_programs, rbar_rows, inv_c, inv_r, b2, omb2,
+                      PHASE: tl.constexpr, FR: tl.constexpr, SR: tl.constexpr,
+                      FC: tl.constexpr, SP: tl.constexpr, FT: tl.constexpr):
     """Reduce the partials in a fixed order and apply the r/k EMA, in parallel.
 
     Programs ``0 .. cdiv(R, FR) - 1`` own ``FR`` rows each, the others ``FC`` columns each.
@@ -435,7 +456,6 @@ def _factored_finalize_kernel(row_part_ptr, col_part_ptr, row_in_ptr, row_out_pt
     has the PHASE 0 arithmetic and summation order, so PHASE 1 + 2 with unreduced sums equal
     PHASE 0 bit for bit.
     """
-    pid = tl.program_id(0)
     n_row_blocks = tl.cdiv(nrows, FR)
     if PHASE == 2:
         if pid == 0:

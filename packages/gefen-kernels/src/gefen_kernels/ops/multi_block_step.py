@@ -2,14 +2,16 @@
 
 Models such as GPT-2 have ~150 parameter tensors, many small: one launch per tensor makes a
 step launch-bound. ``multi_block_step`` groups the tensors by (parameter dtype, gradient dtype,
-next power of two of the period) and runs each group in one launch of the tile-route kernel;
-every program looks its tensor up in a small device table (addresses, sizes, first program).
+next power of two of the period, the period's specialisation) and runs each group in one
+launch of the grouped tile kernel (:mod:`._group_kernels`, shared with the optimizer's
+:mod:`.step_groups`); every program looks its tensor up in a small device table.
 Per-tensor hyperparameters and seeds come from device tensors, so the step does no host
 synchronisation once the tables are cached (CUDA-graph capturable after one eager call).
 
 The result equals ``block_step`` applied to each tensor with ``hyper=hyper[i]`` and
 ``seed_tensor=seeds[i:i+1]``, bit for bit on the Triton path. Tensors with a period above
-4096 (not tile-route material) are stepped one by one by ``block_step_triton``.
+4096 (not tile-route material), another gradient dtype or a pointer that is not 16-byte
+aligned are stepped one by one by ``block_step_triton``.
 """
 
 from __future__ import annotations
@@ -18,23 +20,16 @@ import torch
 from torch import Tensor
 
 from .._numerics import f32
-from .._triton import jit, program_elements, require_triton, tl, triton
+from .._triton import program_elements, require_triton, triton
 from ._dispatch import check_device_for_triton, use_triton
+from ._group_kernels import _group_tile_kernel
 from ._search_table import kernel_table
-from ._step_kernels import (
-    TILE_ELEMENTS,
-    TILE_MAX_PERIOD,
-    _tile_blocks,
-    needs_int64,
-    tile_warps,
-)
+from ._step_kernels import TILE_ELEMENTS, TILE_MAX_PERIOD, needs_int64, tile_warps
 from ._triton_helpers import LAUNCH_OPTIONS
 from .block_step import _check, block_step_reference, block_step_triton
+from .step_groups import _spec, tile_meta_row
 
 __all__ = ["multi_block_step", "multi_block_step_reference", "multi_block_step_triton"]
-
-_META_COLS = 9  # p, g, q, s, v addresses; num_blocks; period; first program; tensor index
-
 
 def _check_lists(params: list[Tensor], grads: list[Tensor], codes: list[Tensor],
                  scales: list[Tensor], exp_avg_sqs: list[Tensor], codebook: Tensor,
@@ -89,83 +84,46 @@ def multi_block_step_reference(
                              seed_tensor=seeds[i:i + 1])
 
 
-@jit
-def _multi_tile_kernel(meta_ptr, prog_ptr, cb_ptr, table_ptr, hyper_ptr, seed_ptr,  # type: ignore[no-untyped-def]
-                       b1, omb1, b2, omb2, eps,
-                       P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, BPP: tl.constexpr,
-                       P2: tl.constexpr, MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                       STEPS: tl.constexpr, OFFS64: tl.constexpr):
-    """Tile route over many tensors: program ``pid`` serves tensor ``prog_ptr[pid]``.
-
-    meta_ptr: int64 ``[n, 9]`` rows (param, grad, codes, scale, exp_avg_sq addresses;
-    num_blocks; period; the tensor's first program; its index into hyper/seeds). prog_ptr:
-    int32 ``[programs]``. hyper_ptr: fp32 ``[T, 4]``; seed_ptr: int64 ``[T]``. P_DTYPE,
-    G_DTYPE: element types of params and grads of this group. OFFS64: int64 offsets (a
-    tensor of the group is near 2**31 elements), else int32. table_ptr: the packed search table
-    (:func:`._search_table.kernel_table`).
-    """
-    pid = tl.program_id(0)
-    row = meta_ptr + tl.load(prog_ptr + pid).to(tl.int64) * 9
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
-    q_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-    s_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    # int32 offsets unless the group holds a tensor near 2**31 elements (OFFS64).
-    num_blocks = tl.load(row + 5)
-    period = tl.load(row + 6)
-    local = pid.to(tl.int64) - tl.load(row + 7)
-    if not OFFS64:
-        num_blocks = num_blocks.to(tl.int32)
-        period = period.to(tl.int32)
-        local = local.to(tl.int32)
-    t = tl.load(row + 8)
-    lr = tl.load(hyper_ptr + t * 4 + 0)
-    bc2 = tl.load(hyper_ptr + t * 4 + 1)
-    bc1 = tl.load(hyper_ptr + t * 4 + 2)
-    decay = tl.load(hyper_ptr + t * 4 + 3)
-    seed_u = tl.load(seed_ptr + t).to(tl.uint64, bitcast=True)
-    _tile_blocks(local, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, s_ptr, s_ptr, s_ptr, cb_ptr,
-                 table_ptr, num_blocks, period, 1, 0, 0, b1, omb1, b2, omb2, eps, lr, bc2, bc1,
-                 decay, seed_u, BPP, P2, False, MAXIMIZE, STOCHASTIC, STEPS, OFFS64)
-
-
-_TL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_TABLES: dict[tuple, tuple[Tensor, Tensor, int, int]] = {}
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TABLES: dict[tuple, tuple[Tensor, Tensor, Tensor, int]] = {}
 _TABLES_MAX = 64
 
 
 def _group_tables(members: list[int], params: list[Tensor], grads: list[Tensor],
-                  codes: list[Tensor], scales: list[Tensor], exp_avg_sqs: list[Tensor], p2: int,
-                  device: torch.device) -> tuple[Tensor, Tensor, int, int]:
-    """Device meta table and program map of one group, cached by the tensors' addresses."""
-    bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
-    key = (device, bpp, tuple((i, params[i].data_ptr(), grads[i].data_ptr(),
-                               codes[i].data_ptr(), scales[i].data_ptr(),
-                               exp_avg_sqs[i].data_ptr(), tuple(codes[i].shape))
-                              for i in members))
+                  codes: list[Tensor], scales: list[Tensor], exp_avg_sqs: list[Tensor], bpp: int,
+                  spec: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Device meta table, program map and gradient-offset table of one group (rows as
+    :func:`.step_groups.tile_meta_row`, offsets from the group's first tensors), cached by
+    the tensors' addresses."""
+    key = (device, bpp, spec, tuple((i, params[i].data_ptr(), grads[i].data_ptr(),
+                                     codes[i].data_ptr(), scales[i].data_ptr(),
+                                     exp_avg_sqs[i].data_ptr(), tuple(codes[i].shape))
+                                    for i in members))
     hit = _TABLES.get(key)
     if hit is not None:
-        return hit[0], hit[1], hit[2], hit[3]
+        return hit
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("multi_block_step: run one eager step with these tensors before "
                            "capturing a CUDA graph (its launch tables are built then)")
-    rows, prog = [], []
-    first = 0
+    m0 = members[0]
+    bases = (params[m0], codes[m0], scales[m0])
+    rows: list[list[int]] = []
+    prog: list[int] = []
+    gptr = [0] * len(params)
     for local, i in enumerate(members):
         num_blocks, period = codes[i].shape
-        count = triton.cdiv(num_blocks, bpp)
-        rows.append([params[i].data_ptr(), grads[i].data_ptr(), codes[i].data_ptr(),
-                     scales[i].data_ptr(), exp_avg_sqs[i].data_ptr(), num_blocks, period,
-                     first, i])
-        prog.extend([local] * count)
-        first += count
-    meta = torch.tensor(rows, dtype=torch.int64).to(device)
-    prog_t = torch.tensor(prog, dtype=torch.int32).to(device)
+        rows.append(tile_meta_row(params[i], codes[i], scales[i], exp_avg_sqs[i], None, bases,
+                                  t=i, num_blocks=num_blocks, period=period, ncols=1, magic=0,
+                                  shift=0, specs=(spec, 1), tile_first=len(prog)))
+        prog.extend([local] * triton.cdiv(num_blocks, bpp))
+        gptr[i] = (grads[i].data_ptr() - grads[m0].data_ptr()) // 16
+    tables = (torch.tensor(rows, dtype=torch.int64).to(device),
+              torch.tensor(prog, dtype=torch.int32).to(device),
+              torch.tensor(gptr, dtype=torch.int64).to(device), len(prog))
     if len(_TABLES) >= _TABLES_MAX:
         _TABLES.clear()
-    _TABLES[key] = (meta, prog_t, first, bpp)
-    return meta, prog_t, first, bpp
+    _TABLES[key] = tables
+    return tables
 
 
 def multi_block_step_triton(
@@ -173,8 +131,12 @@ def multi_block_step_triton(
     exp_avg_sqs: list[Tensor], codebook: Tensor, *, beta1: float, beta2: float, eps: float,
     hyper: Tensor, seeds: Tensor, maximize: bool = False, stochastic_round: bool = False,
 ) -> None:
-    """Triton twin of :func:`multi_block_step_reference`: one launch per (param dtype,
-    grad dtype, power-of-two period class) group of tile-route tensors.
+    """Triton twin of :func:`multi_block_step_reference`: one launch of the grouped tile
+    kernel (:mod:`._group_kernels`) per group of tile-route tensors with the same (param
+    dtype, grad dtype, power-of-two period class, period specialisation, offset width).
+    Tensors with a longer period, another gradient dtype or a pointer that is not 16-byte
+    aligned are stepped by :func:`block_step_triton`; every tensor's result equals
+    ``block_step_triton``'s bit for bit.
 
     Raises:
         ImportError: Triton is not installed. ValueError, TypeError: as the reference, plus
@@ -193,7 +155,9 @@ def multi_block_step_triton(
         num_blocks, period = codes[i].shape
         if num_blocks * period == 0:
             continue
-        if period > TILE_MAX_PERIOD or grads[i].dtype not in _TL_DTYPES:
+        aligned = all(t.data_ptr() % 16 == 0
+                      for t in (p, grads[i], codes[i], scales[i], exp_avg_sqs[i]))
+        if period > TILE_MAX_PERIOD or grads[i].dtype not in _GRAD_DTYPES or not aligned:
             block_step_triton(p, grads[i], codes[i], scales[i], exp_avg_sqs[i], codebook,
                               lr=0.0, beta1=beta1, beta2=beta2, eps=eps, bc1_recip=0.0,
                               bc2_rsqrt=0.0, decay=1.0, maximize=maximize,
@@ -201,23 +165,22 @@ def multi_block_step_triton(
                               seed_tensor=seeds[i:i + 1])
             continue
         p2 = 1 << max(0, (period - 1).bit_length())
-        groups.setdefault((p.dtype, grads[i].dtype, p2), []).append(i)
+        key = (p.dtype, grads[i].dtype, p2, _spec(period), needs_int64(num_blocks, period))
+        groups.setdefault(key, []).append(i)
     table, steps = kernel_table(codebook, stochastic=bool(stochastic_round))
     b1, b2 = f32(beta1), f32(beta2)
-    for (p_dtype, g_dtype, p2), members in groups.items():
-        meta, prog, programs, bpp = _group_tables(members, params, grads, codes, scales,
-                                                  exp_avg_sqs, p2, params[0].device)
-        _multi_tile_kernel[(programs,)](
-            meta, prog, codebook, table, hyper, seeds, b1, f32(1.0 - b1), b2, f32(1.0 - b2),
-            f32(eps), P_DTYPE=getattr(tl, _tl_name(p_dtype)), G_DTYPE=getattr(
-                tl, _tl_name(g_dtype)), BPP=bpp, P2=p2, MAXIMIZE=bool(maximize),
-            STOCHASTIC=bool(stochastic_round), STEPS=steps,
-            OFFS64=any(needs_int64(*codes[i].shape) for i in members),
+    for (p_dtype, g_dtype, p2, spec, offs64), members in groups.items():
+        bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
+        meta, prog, gptr, programs = _group_tables(members, params, grads, codes, scales,
+                                                   exp_avg_sqs, bpp, spec, params[0].device)
+        m0 = members[0]
+        _group_tile_kernel[(programs,)](
+            meta, prog, gptr, params[m0], grads[m0], codes[m0], scales[m0], codebook, codebook,
+            table, hyper, seeds, b1, f32(1.0 - b1), b2, f32(1.0 - b2), f32(eps),
+            P_VEC=16 // p_dtype.itemsize, G_VEC=16 // g_dtype.itemsize, BPP=bpp, P2=p2,
+            FACTORED=False, MAXIMIZE=bool(maximize), STOCHASTIC=bool(stochastic_round),
+            STEPS=steps, OFFS64=offs64, SPEC_PERIOD=spec, SPEC_NCOLS=1,
             num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
-
-
-def _tl_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
 
 
 @torch.library.custom_op(

@@ -91,6 +91,7 @@ class StepPlan:
         self.maximize, self.stochastic_round = bool(maximize), bool(stochastic_round)
         self.capturable = capturable
         self.shape = tuple(param.shape)
+        self.dtype = param.dtype
         self.device = param.device
         num_blocks, period = (int(codes.shape[0]), int(codes.shape[1]))
         self.numel = num_blocks * period
@@ -124,6 +125,13 @@ class StepPlan:
         consts.update(LAUNCH_OPTIONS)
         self._consts = consts
         self._ints = (num_blocks, period, self.ncols, *ncols_divider(self.ncols))
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """``(param, codes, scale, exp_avg_sq, row, col, codebook)`` as planned; ``None`` for
+        one the plan was built without or that has been freed (the plan holds weak
+        references). :mod:`.step_groups` also reads the launch decisions (``_consts``,
+        ``_ints``, ``_floats``, ``_stats_layout``, ``_table``)."""
+        return tuple(ref() if ref is not None else None for ref in self._refs)
 
     def matches(self, param: Tensor, codes: Tensor, scale: Tensor, exp_avg_sq: Tensor | None,
                 row: Tensor | None, col: Tensor | None, codebook: Tensor) -> bool:

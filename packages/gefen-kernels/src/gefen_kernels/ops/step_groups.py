@@ -1,0 +1,350 @@
+"""Grouped launches of planned Gefen steps: a whole parameter list in a few launches
+(ALGORITHM.md §3.5, §3.7).
+
+With one :class:`.step_plan.StepPlan` launch per tensor, a Llama-3.2-1B-shaped step issued
+about 375 Triton launches, and Triton's Python launcher (tens of µs each) made the eager step
+host-bound (H200 run 4, ``docs/internals/kernel-notes.md``). :class:`StepGroups` sorts a list of
+plans once into classes that one kernel variant serves (mode, dtypes, tile shape, statistics
+tile, alignment) and launches each class as one tile launch (block mode) or one statistics, one
+finalize and one tile launch per chunk of factored tensors whose scratch fits
+:data:`GROUP_SCRATCH_BYTES`. Plans of other routes (loop, split) launch one by one, as before.
+
+Per step, the scalars, seeds and gradient addresses travel in one host-to-device copy from
+pinned memory; nothing else is rebuilt while the plans and the gradients' dtypes and alignment
+stay the same. The kernels (:mod:`._group_kernels`) do each tensor's per-program work of the
+one-tensor kernels, so the result is bit-identical to :meth:`StepPlan.launch` on every plan
+with the same scalars and seeds.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._numerics import f32, to_signed64
+from ._group_kernels import (
+    META,
+    _group_finalize_kernel,
+    _group_stats_kernel,
+    _group_tile_kernel,
+)
+from ._triton_helpers import LAUNCH_OPTIONS
+from .factored_step import _FIN_COLS, _FIN_CONSTS, _FIN_ROWS, _cdiv
+from .step_plan import StepPlan
+
+__all__ = ["GROUP_SCRATCH_BYTES", "StepGroups", "tile_meta_row"]
+
+# Statistics scratch of one factored launch chunk. A step's peak extra memory is this, not
+# the sum over the model (a Llama-3.2-1B step's partials total about 130 MiB).
+GROUP_SCRATCH_BYTES = 12 << 20
+
+_ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+_COL = {name: i for i, name in enumerate(META)}
+
+
+def _spec(x: int) -> int:
+    """Triton's launch-time view of an int argument: 1 (the constant), 16 (divisible by 16)
+    or 0 (nothing known)."""
+    return 1 if x == 1 else (16 if x % 16 == 0 else 0)
+
+
+def _stored(x: int, spec: int) -> int:
+    return x // 16 if spec == 16 else x
+
+
+def tile_meta_row(param: Tensor, codes: Tensor, scale: Tensor, state: Tensor, col: Tensor | None,
+                  bases: tuple[Tensor, Tensor, Tensor], *, t: int, num_blocks: int, period: int,
+                  ncols: int, magic: int, shift: int, specs: tuple[int, int],
+                  tile_first: int) -> list[int]:
+    """The tile kernel's columns of one tensor's meta row (:data:`._group_kernels.META`; the
+    others 0): addresses as 16-byte offsets from ``bases`` (a parameter, codes and fp32 tensor
+    of the class, all 16-byte aligned like these), ``period``/``ncols`` stored for
+    ``specs`` (:func:`_spec` of each). ``state`` is ``exp_avg_sq`` in block mode and
+    ``exp_avg_sq_row`` in factored mode; ``t`` the row of the scalar, seed and gradient
+    tables."""
+    p_base, q_base, f_base = (b.data_ptr() for b in bases)
+    row = [0] * len(META)
+    row[_COL["param"]] = (param.data_ptr() - p_base) // 16
+    row[_COL["codes"]] = (codes.data_ptr() - q_base) // 16
+    row[_COL["scale"]] = (scale.data_ptr() - f_base) // 16
+    row[_COL["exp_avg_sq"]] = (state.data_ptr() - f_base) // 16
+    if col is not None:
+        row[_COL["exp_avg_sq_col"]] = (col.data_ptr() - f_base) // 16
+    row[_COL["t"]] = t
+    row[_COL["num_blocks"]] = num_blocks
+    row[_COL["period"]] = _stored(period, specs[0])
+    row[_COL["ncols"]] = _stored(ncols, specs[1])
+    row[_COL["ncols_magic"]], row[_COL["ncols_shift"]] = magic, shift
+    row[_COL["tile_first"]] = tile_first
+    return row
+
+
+def _groupable(plan: StepPlan, grad: Tensor) -> bool:
+    """Tile route, a non-empty tensor, a standard gradient, and every pointer 16-byte aligned
+    (a one-tensor launch would get an alignment hint for each; see :mod:`._group_kernels`)."""
+    if not (plan.route == "tile" and plan.numel > 0 and grad.dtype in _ELEMENT_BYTES
+            and grad.is_contiguous() and tuple(grad.shape) == plan.shape
+            and grad.device == plan.device):
+        return False
+    tensors = [t for t in plan.tensors()[:6] if t is not None] + [grad]
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _partials(plan: StepPlan) -> tuple[int, int, int]:
+    """Floats of the row partials, column partials and block sums of a factored plan, as
+    ``factored_step._stats_partials`` lays them out."""
+    assert plan._stats_layout is not None
+    rows, cols = plan.shape
+    _, _, splits, n_row_programs, _ = plan._stats_layout
+    return splits * rows, n_row_programs * cols, _cdiv(rows, _FIN_ROWS)
+
+
+def _class_specs(plan: StepPlan) -> tuple[int, ...]:
+    """The specialisation of every int the one-tensor kernels take for this plan (period,
+    ncols; for factored plans the statistics layout and the partials' alignment)."""
+    num_blocks, period, ncols = plan._ints[:3]
+    if not plan.factored:
+        return (_spec(period), _spec(ncols))
+    assert plan._stats_layout is not None
+    rows, cols = plan.shape
+    _, cb, splits, n_row_programs, rows_per_program = plan._stats_layout
+    n_col_tiles = _cdiv(cols, cb)
+    n_row, n_col, _ = _partials(plan)
+    return (_spec(period), _spec(ncols), _spec(rows), _spec(n_col_tiles), _spec(splits),
+            _spec(_cdiv(n_col_tiles, splits)), _spec(rows_per_program),
+            _spec(n_row_programs), int(n_row % 4 == 0), int((n_row + n_col) % 4 == 0))
+
+
+class _Launches:
+    """One class of tensors: its meta table and program maps, split into chunks whose
+    statistics scratch fits :data:`GROUP_SCRATCH_BYTES`."""
+
+    def __init__(self, key: tuple[Any, ...], members: list[int], plans: Sequence[StepPlan],
+                 device: torch.device) -> None:
+        first = plans[members[0]]
+        self.factored = first.factored
+        self.members = members
+        self.specs: tuple[int, ...] = key[-1]
+        self.p_vec = 16 // _ELEMENT_BYTES[first.dtype]
+        self.g_vec = 16 // _ELEMENT_BYTES[key[2]]
+        self.consts = {k: first._consts[k] for k in ("BPP", "P2", "MAXIMIZE", "STOCHASTIC",
+                                                      "STEPS", "OFFS64", "num_warps")}
+        self.layout = first._stats_layout
+        # The class's bases: tensors of the first member (alive as long as the plans are).
+        param, codes, scale = first.tensors()[:3]
+        self.bases: tuple[Tensor, Tensor, Tensor] = (param, codes, scale)  # type: ignore[assignment]
+        self.chunks: list[dict[str, Any]] = []
+        chunk: list[int] = []
+        used = 0
+        for i in members:
+            need = self._region_floats(plans[i]) if self.factored else 0
+            if chunk and used + need > GROUP_SCRATCH_BYTES // 4:
+                self.chunks.append(self._build(chunk, plans, device))
+                chunk, used = [], 0
+            chunk.append(i)
+            used += need
+        if chunk:
+            self.chunks.append(self._build(chunk, plans, device))
+
+    @staticmethod
+    def _region_floats(plan: StepPlan) -> int:
+        """Row partials, column partials, block sums and ``1/rbar``, contiguous as in the
+        one-tensor launch, rounded up to 16 bytes."""
+        return _cdiv(sum(_partials(plan)) + 1, 4) * 4
+
+    def _build(self, members: list[int], plans: Sequence[StepPlan],
+               device: torch.device) -> dict[str, Any]:
+        specs = self.specs
+        rows_out: list[list[int]] = []
+        maps: dict[str, list[int]] = {"tile": [], "stats": [], "finalize": []}
+        offset = 0
+        for local, i in enumerate(members):
+            plan = plans[i]
+            param, codes, scale, sq, r, k, _ = plan.tensors()
+            num_blocks, period, ncols, magic, shift = plan._ints
+            row = tile_meta_row(
+                param, codes, scale, sq if sq is not None else r, k,  # type: ignore[arg-type]
+                self.bases, t=i, num_blocks=num_blocks, period=period,  # type: ignore[arg-type]
+                ncols=ncols, magic=magic, shift=shift, specs=(specs[0], specs[1]),
+                tile_first=len(maps["tile"]))
+            maps["tile"].extend([local] * _cdiv(num_blocks, self.consts["BPP"]))
+            if not self.factored:
+                rows_out.append(row)
+                continue
+            assert plan._stats_layout is not None
+            nrows = plan.shape[0]
+            _, cb, splits, n_row_programs, rows_per_program = plan._stats_layout
+            n_col_tiles = _cdiv(ncols, cb)
+            n_row, n_col, n_blocks = _partials(plan)
+            for name, value, spec in (
+                    ("nrows", nrows, specs[2]), ("n_col_tiles", n_col_tiles, specs[3]),
+                    ("n_splits", splits, specs[4]),
+                    ("tiles_per_split", _cdiv(n_col_tiles, splits), specs[5]),
+                    ("rows_per_program", rows_per_program, specs[6]),
+                    ("n_row_programs", n_row_programs, specs[7])):
+                row[_COL[name]] = _stored(value, spec)
+            row[_COL["region"]] = offset // 4
+            row[_COL["col_part"]] = n_row // 4 if specs[8] else n_row
+            row[_COL["block_sum"]] = (n_row + n_col) // 4 if specs[9] else n_row + n_col
+            row[_COL["inv_rbar"]] = n_row + n_col + n_blocks
+            offset += self._region_floats(plan)
+            row[_COL["ticket"]] = local
+            row[_COL["stats_first"]] = len(maps["stats"])
+            maps["stats"].extend([local] * (n_row_programs * splits))
+            row[_COL["finalize_first"]] = len(maps["finalize"])
+            maps["finalize"].extend(
+                [local] * max(1, _cdiv(nrows, _FIN_ROWS) + _cdiv(ncols, _FIN_COLS)))
+            row[_COL["inv_c"]] = _f32_bits(1.0 / ncols)
+            row[_COL["inv_r"]] = _f32_bits(1.0 / nrows)
+            rows_out.append(row)
+        flat = maps["tile"] + maps["stats"] + maps["finalize"]
+        prog = torch.tensor(flat, dtype=torch.int32).to(device)
+        n_tile, n_stats = len(maps["tile"]), len(maps["stats"])
+        return {
+            "meta": torch.tensor(rows_out, dtype=torch.int64).to(device),
+            "tile": prog[:n_tile], "stats": prog[n_tile:n_tile + n_stats],
+            "finalize": prog[n_tile + n_stats:], "scratch": offset, "tensors": len(members),
+            "n_tile": n_tile, "n_stats": n_stats, "n_finalize": len(maps["finalize"]),
+        }
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", f32(x)))[0]
+
+
+class StepGroups:
+    """The grouped launches of one list of plans (one optimizer step's tensors of one device,
+    codebook and options).
+
+    Args:
+        plans: the tensors' plans, all built with the same codebook, betas, eps, maximize and
+            rounding (those of one optimizer call).
+        grads: this step's gradients, in the same order (their dtypes and alignment choose
+            the classes; :meth:`matches` says whether later gradients fit the same classes).
+
+    Raises:
+        ValueError: the plans differ in device, codebook or options.
+    """
+
+    def __init__(self, plans: Sequence[StepPlan], grads: Sequence[Tensor]) -> None:
+        if not plans or len(plans) != len(grads):
+            raise ValueError(f"StepGroups needs one gradient per plan and at least one plan, "
+                             f"got {len(plans)} plans and {len(grads)} gradients")
+        first = plans[0]
+        for j, plan in enumerate(plans):
+            if (plan.device != first.device or plan.tensors()[6] is not first.tensors()[6]
+                    or plan._floats != first._floats or plan.maximize != first.maximize
+                    or plan.stochastic_round != first.stochastic_round):
+                raise ValueError(f"plans[{j}] differs from plans[0] in device, codebook or "
+                                 "options; group only the plans of one optimizer call")
+        self.device = first.device
+        self._plans = list(plans)
+        self._ids = tuple(map(id, plans))
+        self._signature = self.signature(plans, grads)
+        classes: dict[tuple[Any, ...], list[int]] = {}
+        self._singles: list[int] = []
+        for i, (plan, grad) in enumerate(zip(plans, grads)):
+            if not _groupable(plan, grad):
+                self._singles.append(i)
+                continue
+            c = plan._consts
+            layout = plan._stats_layout[:2] if plan._stats_layout is not None else None
+            key = (plan.factored, plan.dtype, grad.dtype, c["P2"], c["BPP"], c["OFFS64"], layout,
+                   _class_specs(plan))
+            classes.setdefault(key, []).append(i)
+        self._classes = [_Launches(key, members, plans, self.device)
+                         for key, members in classes.items()]
+        # Per tensor, the gradient its class measures offsets from (its first member's).
+        self._grad_base = list(range(len(plans)))
+        for cls in self._classes:
+            for i in cls.members:
+                self._grad_base[i] = cls.members[0]
+        n = len(plans)
+        # One int64 buffer: hyper (fp32 [n, 4] as 2n words) | gradient offsets | seeds.
+        self._device_buffer = torch.zeros(4 * n, dtype=torch.int64, device=self.device)
+        self._hyper = self._device_buffer[:2 * n].view(torch.float32).view(n, 4)
+        self._gptr = self._device_buffer[2 * n:3 * n]
+        self._seeds = self._device_buffer[3 * n:]
+        self._pin = self.device.type == "cuda"
+
+    @staticmethod
+    def signature(plans: Sequence[StepPlan], grads: Sequence[Tensor]) -> tuple[Any, ...]:
+        """What the classes depend on beyond the plans: each gradient's dtype, layout and
+        16-byte alignment."""
+        return tuple((g.dtype, g.is_contiguous(), g.data_ptr() % 16 == 0) for g in grads)
+
+    def matches(self, plans: Sequence[StepPlan], grads: Sequence[Tensor]) -> bool:
+        """Whether these plans (identity) and gradients fit the classes built."""
+        return (tuple(map(id, plans)) == self._ids
+                and self.signature(plans, grads) == self._signature)
+
+    def launch(self, grads: Sequence[Tensor], scalars: Sequence[tuple[float, float, float, float]],
+               seeds: Sequence[int] | None) -> None:
+        """One step of every plan with gradients ``grads``.
+
+        Args:
+            grads: contiguous gradients, one per plan, fitting :meth:`matches`.
+            scalars: per plan ``(lr, bc1_recip, bc2, decay)`` already rounded to fp32 (as
+                :meth:`StepPlan.launch` takes them; ``bc2`` is ``bc2_rsqrt`` in block mode
+                and ``bc2_recip`` in factored mode).
+            seeds: per plan signed 64-bit stochastic-rounding seeds, or ``None`` (nearest).
+        """
+        n = len(self._plans)
+        floats: list[float] = []
+        for lr, bc1, bc2, decay in scalars:
+            floats += (lr, bc2, bc1, decay)  # the kernels' [lr, bc2, bc1_recip, decay]
+        words = list(struct.unpack(f"<{2 * n}q", struct.pack(f"<{4 * n}f", *floats)))
+        # A grouped gradient's distance from its class's base gradient, in 16-byte units
+        # (both are 16-byte aligned: matches()); 0 for the others.
+        addresses = [g.data_ptr() for g in grads]
+        words += [(a - addresses[b]) >> 4 for a, b in zip(addresses, self._grad_base)]
+        words += [to_signed64(s) for s in seeds] if seeds is not None else [0] * n
+        staged = torch.tensor(words, dtype=torch.int64)
+        # Pinned, from the caching host allocator: reused only after this copy has run.
+        self._device_buffer.copy_(staged.pin_memory() if self._pin else staged,
+                                  non_blocking=self._pin)
+        for i in self._singles:
+            lr, bc1, bc2, decay = scalars[i]
+            self._plans[i].launch(grads[i], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay,
+                                  seed=0 if seeds is None else seeds[i])
+        first = self._plans[0]
+        codebook = first.tensors()[6]
+        b1, omb1, b2, omb2, eps = first._floats
+        scratch: Tensor | None
+        tickets: Tensor | None
+        for cls in self._classes:
+            c = cls.consts
+            sp = cls.specs
+            p_base, q_base, f_base = cls.bases
+            g_base = grads[cls.members[0]]
+            for chunk in cls.chunks:
+                # The previous chunk's scratch goes back to the allocator before this one's
+                # is taken (stream order makes the reuse safe): the peak is one chunk's.
+                scratch = tickets = None
+                if cls.factored:
+                    scratch = torch.empty(chunk["scratch"] + chunk["tensors"],
+                                          dtype=torch.float32, device=self.device)
+                    tickets = scratch[chunk["scratch"]:].view(torch.int32)
+                    rb, cb = cls.layout[:2]  # type: ignore[index]
+                    _group_stats_kernel[(chunk["n_stats"],)](
+                        chunk["meta"], chunk["stats"], self._gptr, g_base, scratch, tickets,
+                        G_VEC=cls.g_vec, RB=rb, CB=cb, SPEC_NROWS=sp[2], SPEC_NCOLS=sp[1],
+                        SPEC_TILES=sp[3], SPEC_SPLITS=sp[4], SPEC_TPS=sp[5], SPEC_RPP=sp[6],
+                        COL_PART_ALIGNED=bool(sp[8]), num_warps=8, **LAUNCH_OPTIONS)
+                    _group_finalize_kernel[(chunk["n_finalize"],)](
+                        chunk["meta"], chunk["finalize"], f_base, scratch, tickets, b2, omb2,
+                        SPEC_NROWS=sp[2], SPEC_NCOLS=sp[1], SPEC_SPLITS=sp[4], SPEC_NRP=sp[7],
+                        COL_PART_ALIGNED=bool(sp[8]), BLOCK_SUM_ALIGNED=bool(sp[9]),
+                        **_FIN_CONSTS)
+                _group_tile_kernel[(chunk["n_tile"],)](
+                    chunk["meta"], chunk["tile"], self._gptr, p_base, g_base, q_base, f_base,
+                    codebook if scratch is None else scratch, codebook, first._table,
+                    self._hyper, self._seeds, b1, omb1, b2, omb2, eps, P_VEC=cls.p_vec,
+                    G_VEC=cls.g_vec, BPP=c["BPP"], P2=c["P2"],
+                    FACTORED=cls.factored, MAXIMIZE=c["MAXIMIZE"], STOCHASTIC=c["STOCHASTIC"],
+                    STEPS=c["STEPS"], OFFS64=c["OFFS64"], SPEC_PERIOD=sp[0], SPEC_NCOLS=sp[1],
+                    num_warps=c["num_warps"], **LAUNCH_OPTIONS)

@@ -1,0 +1,250 @@
+"""StepGroups (one launch per class of tensors) against one StepPlan launch per tensor: the
+same bits for every parameter and state tensor, whatever the grouping and chunking."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from kernels_inputs import assert_bitwise, make_codebook, random_state
+
+from gefen_kernels._numerics import f32
+from gefen_kernels.ops import step_groups
+from gefen_kernels.ops.step_groups import StepGroups
+from gefen_kernels.ops.step_plan import StepPlan
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# (shape, period, param dtype, grad dtype, factored). Factored shapes include a column count
+# that is not a multiple of 16 (no alignment hints), several column tiles, a zero row.
+CASES = [
+    ((24, 40), 20, torch.bfloat16, torch.bfloat16, True),
+    ((32, 64), 64, torch.float32, torch.float32, True),
+    ((33, 48), 16, torch.bfloat16, torch.bfloat16, True),
+    ((5, 600), 40, torch.bfloat16, torch.bfloat16, True),
+    ((16, 32), 32, torch.bfloat16, torch.float16, True),  # another gradient dtype: its class
+    ((48, 64), 64, torch.float32, torch.float32, True),  # second member of the fp32 class
+    ((9, 600), 50, torch.bfloat16, torch.bfloat16, True),  # second member of the 600's class
+    ((210,), 7, torch.bfloat16, torch.bfloat16, False),
+    ((150,), 5, torch.bfloat16, torch.bfloat16, False),
+    ((3072,), 1024, torch.float32, torch.float32, False),
+    ((96,), 32, torch.float16, torch.float16, False),
+    ((8198,), 4099, torch.bfloat16, torch.bfloat16, False),  # split route: launched alone
+    ((0,), 1, torch.bfloat16, torch.bfloat16, False),  # empty: nothing to launch
+]
+
+
+def _tensors(dev: str, seed: int) -> list[dict[str, Any]]:
+    out = []
+    for j, (shape, period, pdt, gdt, factored) in enumerate(CASES):
+        gen = torch.Generator().manual_seed(seed + j)
+        n = 1
+        for s in shape:
+            n *= s
+        item: dict[str, Any] = {
+            "param": torch.randn(shape, generator=gen).to(pdt).to(dev),
+            "grad": torch.randn(shape, generator=gen).to(gdt).to(dev),
+        }
+        st = random_state(n // period, period, seed=seed + j)
+        item["codes"], item["scale"] = st["codes"].to(dev), st["scale"].to(dev)
+        if factored:
+            item["grad"][1] = 0.0
+            item["sq"] = None
+            item["row"] = (torch.rand(shape[0], generator=gen) * 1e-3).to(dev)
+            item["col"] = (torch.rand(shape[1], generator=gen) * 1e-3).to(dev)
+        else:
+            item["sq"], item["row"], item["col"] = st["exp_avg_sq"].to(dev), None, None
+        out.append(item)
+    return out
+
+
+def _clone(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in it.items()}
+            for it in items]
+
+
+def _plans(items: list[dict[str, Any]], cb: torch.Tensor, **options: Any) -> list[StepPlan]:
+    return [StepPlan(it["param"], it["codes"], it["scale"], it["sq"], it["row"], it["col"], cb,
+                     beta1=0.9, beta2=0.999, eps=1e-8, capturable=False, **options)
+            for it in items]
+
+
+def _scalars(j: int, factored: bool) -> tuple[float, float, float, float]:
+    # A different step count per tensor, so a wrong row of the scalar table shows.
+    t = 3 + j
+    bc2 = 1.0 / (1.0 - 0.999**t) if factored else (1.0 - 0.999**t) ** -0.5
+    return (f32(1e-3 * (1 + j)), f32(1.0 / (1.0 - 0.9**t)), f32(bc2), f32(1.0 - 1e-5 * j))
+
+
+def _compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    for j, (x, y) in enumerate(zip(a, b)):
+        for k in ("param", "codes", "scale", "sq", "row", "col"):
+            if x[k] is not None:
+                assert_bitwise(x[k], y[k], f"tensor {j} {k}")
+
+
+@pytest.mark.parametrize("options", [
+    {"maximize": False, "stochastic_round": False},
+    {"maximize": True, "stochastic_round": True},
+])
+@pytest.mark.parametrize("scratch_bytes", [step_groups.GROUP_SCRATCH_BYTES, 4096])
+def test_groups_equal_one_launch_per_plan(options, scratch_bytes, monkeypatch) -> None:
+    monkeypatch.setattr(step_groups, "GROUP_SCRATCH_BYTES", scratch_bytes)
+    dev = _device()
+    cb = make_codebook(2).to(dev)
+    base = _tensors(dev, seed=10)
+    scalars = [_scalars(j, c[4]) for j, c in enumerate(CASES)]
+    seeds = [17 * j - 40 for j in range(len(CASES))]
+    a, b = _clone(base), _clone(base)
+    for plan, it, sc, seed in zip(_plans(a, cb, **options), a, scalars, seeds):
+        lr, bc1, bc2, decay = sc
+        plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
+    plans = _plans(b, cb, **options)
+    grads = [it["grad"] for it in b]
+    groups = StepGroups(plans, grads)
+    for _ in range(2):  # a second step through the same tables
+        groups.launch(grads, scalars, seeds)
+    for plan, it, sc, seed in zip(_plans(a, cb, **options), a, scalars, seeds):
+        lr, bc1, bc2, decay = sc
+        plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
+    _compare(b, a)
+    assert groups.matches(plans, grads)
+
+
+def test_groups_launch_once_per_class_and_chunk(monkeypatch) -> None:
+    counts: Counter[str] = Counter()
+
+    class Counting:
+        def __init__(self, name: str, kernel: Any) -> None:
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid: Any) -> Any:
+            counts[self.name] += 1
+            return self.kernel[grid]
+
+    for name in ("_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel"):
+        monkeypatch.setattr(step_groups, name, Counting(name, getattr(step_groups, name)))
+    dev = _device()
+    cb = make_codebook(2).to(dev)
+    items = _tensors(dev, seed=3)
+    plans = _plans(items, cb, maximize=False, stochastic_round=False)
+    grads = [it["grad"] for it in items]
+    StepGroups(plans, grads).launch(grads, [_scalars(j, c[4]) for j, c in enumerate(CASES)],
+                                    None)
+    # Factored classes: (bf16, bf16, P2 32, unaligned), (fp32, P2 64, aligned),
+    # (bf16, P2 16, aligned), (bf16, P2 64, unaligned: 600 columns), (bf16 param, fp16 grad).
+    # Block classes: P2 8 bf16, P2 1024 fp32, P2 32 fp16. The split-route tensor launches
+    # alone and the empty one not at all.
+    assert counts == {"_group_stats_kernel": 5, "_group_finalize_kernel": 5,
+                      "_group_tile_kernel": 8}
+    # One factored tensor per chunk; block classes need no scratch and stay whole.
+    monkeypatch.setattr(step_groups, "GROUP_SCRATCH_BYTES", 0)
+    counts.clear()
+    StepGroups(plans, grads).launch(grads, [_scalars(j, c[4]) for j, c in enumerate(CASES)],
+                                    None)
+    assert counts == {"_group_stats_kernel": 7, "_group_finalize_kernel": 7,
+                      "_group_tile_kernel": 10}
+
+
+def test_groups_signature_tracks_gradient_dtype_and_alignment() -> None:
+    dev = _device()
+    cb = make_codebook(2).to(dev)
+    items = _tensors(dev, seed=5)[:2]
+    plans = _plans(items, cb, maximize=False, stochastic_round=False)
+    grads = [it["grad"] for it in items]
+    groups = StepGroups(plans, grads)
+    assert groups.matches(plans, [g.clone() for g in grads])
+    assert not groups.matches(plans, [grads[0].float(), grads[1]])
+    buf = torch.empty(grads[0].numel() + 1, dtype=grads[0].dtype, device=dev)
+    shifted = buf[1:].view_as(grads[0])  # 2-byte offset: no longer 16-byte aligned
+    shifted.copy_(grads[0])
+    assert not groups.matches(plans, [shifted, grads[1]])
+    assert not groups.matches(plans[::-1], grads[::-1])
+
+
+def test_unaligned_gradients_launch_alone_with_the_same_bits() -> None:
+    """A gradient that is not 16-byte aligned takes its plan's own launch (a one-tensor launch
+    would compile without the alignment hint, so its sums may be ordered differently): the
+    result equals per-plan launches with the same gradients."""
+    dev = _device()
+    cb = make_codebook(4).to(dev)
+    base = _tensors(dev, seed=8)[1:3]  # two aligned factored cases of one class
+    scalars = [_scalars(j, True) for j in range(2)]
+    grads = []
+    for it in base:
+        buf = torch.empty(it["grad"].numel() + 2, dtype=it["grad"].dtype, device=dev)
+        g = buf[2:].view_as(it["grad"])
+        g.copy_(it["grad"])
+        grads.append(g)
+    a, b = _clone(base), _clone(base)
+    for plan, g, (lr, bc1, bc2, decay) in zip(_plans(a, cb, maximize=False,
+                                                     stochastic_round=False), grads, scalars):
+        plan.launch(g, lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=0)
+    plans = _plans(b, cb, maximize=False, stochastic_round=False)
+    groups = StepGroups(plans, grads)
+    assert groups._classes == [] and groups._singles == [0, 1]
+    groups.launch(grads, scalars, None)
+    _compare(b, a)
+
+
+def test_groups_refuse_plans_of_different_options() -> None:
+    dev = _device()
+    cb = make_codebook(2).to(dev)
+    items = _tensors(dev, seed=1)[:2]
+    plans = (_plans(items[:1], cb, maximize=False, stochastic_round=False)
+             + _plans(items[1:], cb, maximize=True, stochastic_round=False))
+    with pytest.raises(ValueError, match=r"plans\[1\] differs from plans\[0\]"):
+        StepGroups(plans, [it["grad"] for it in items])
+    with pytest.raises(ValueError, match="one gradient per plan"):
+        StepGroups(plans[:1], [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scratch_bytes", [step_groups.GROUP_SCRATCH_BYTES, 1 << 20])
+def test_gpt2_shaped_list_equals_one_launch_per_plan_gpu(scratch_bytes, monkeypatch) -> None:
+    """GPT-2 small's 148 tensors (matrices factored, vectors in block mode) plus a
+    [16384, 2048] matrix, bf16, both rounding modes, in one chunk per class and in 1 MiB
+    chunks: grouped launches against one launch per plan, bit for bit."""
+    monkeypatch.setattr(step_groups, "GROUP_SCRATCH_BYTES", scratch_bytes)
+    shapes: list[tuple[int, ...]] = [(50257, 768), (1024, 768), (16384, 2048)]
+    for _ in range(12):
+        shapes += [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,),
+                   (768, 3072), (3072,), (3072, 768), (768,)]
+    shapes += [(768,), (768,)]
+    cb = make_codebook(4).cuda()
+    for stochastic in (False, True):
+        base = []
+        for j, shape in enumerate(shapes):
+            gen = torch.Generator(device="cuda").manual_seed(j)
+            period = shape[-1] if len(shape) == 2 else min(shape[0], 768)
+            n = shape[0] * (shape[1] if len(shape) == 2 else 1)
+            st = random_state(n // period, period, seed=j, device="cuda")
+            item: dict[str, Any] = {
+                "param": torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16),
+                "grad": torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16),
+                "codes": st["codes"], "scale": st["scale"]}
+            if len(shape) == 2:
+                item.update(sq=None, row=torch.rand(shape[0], generator=gen, device="cuda"),
+                            col=torch.rand(shape[1], generator=gen, device="cuda"))
+            else:
+                item.update(sq=st["exp_avg_sq"], row=None, col=None)
+            base.append(item)
+        scalars = [_scalars(j % 7, len(s) == 2) for j, s in enumerate(shapes)]
+        seeds = [1000 + j for j in range(len(shapes))]
+        a, b = _clone(base), _clone(base)
+        options = {"maximize": False, "stochastic_round": stochastic}
+        plans = _plans(b, cb, **options)
+        grads = [it["grad"] for it in b]
+        groups = StepGroups(plans, grads)
+        for _ in range(2):
+            for plan, it, (lr, bc1, bc2, decay), seed in zip(_plans(a, cb, **options), a,
+                                                             scalars, seeds):
+                plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
+            groups.launch(grads, scalars, seeds)
+        torch.cuda.synchronize()
+        _compare(b, a)

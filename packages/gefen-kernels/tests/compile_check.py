@@ -30,6 +30,7 @@ Exit status 0 when every configuration compiles; otherwise the failures are prin
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import os
 import sys
@@ -113,7 +114,7 @@ class Launch:
 
 def compile_launch(launch: Launch, stage: str) -> Any:
     """Compile ``launch`` for sm_90 up to ``stage``; raises the compiler's error. Returns the
-    compiled kernel at stage ``cubin``, else ``None``."""
+    compiled kernel at stage ``cubin``, else the module at ``stage``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource, make_backend
@@ -139,7 +140,7 @@ def compile_launch(launch: Launch, stage: str) -> Any:
     else:
         module = src.make_ir(options, codegen_fns, module_map, context)
     if stage == "ir":
-        return
+        return module
     stages: dict[str, Callable[..., Any]] = {}
     if "language" in inspect.signature(backend.add_stages).parameters:
         backend.add_stages(stages, options, src.language)
@@ -149,7 +150,7 @@ def compile_launch(launch: Launch, stage: str) -> Any:
     for name, fn in stages.items():
         module = fn(module, metadata)
         if name == stage:
-            return
+            return module
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,15 +469,98 @@ def resident_warps(regs: int, num_warps: int) -> int:
     return programs * num_warps
 
 
+# --------------------------------------------------------------------------------------------
+# Grouped kernels against the one-tensor kernels: the same register layouts
+# --------------------------------------------------------------------------------------------
+
+# (shape, period): factored when 2-D; aligned and unaligned periods and column counts, sizes
+# that make the statistics scratch's column partials and block sums aligned or not.
+LAYOUT_CASES = [((256, 2048), 2048), ((768, 2304), 1152), ((1733, 768), 1733), ((40, 24), 8),
+                ((5, 600), 40), ((1, 16), 16), ((4096,), 64), ((2304,), 24), ((7,), 7),
+                ((3466, 768), 768)]
+_LAYOUT_PAIRS = {"_step_tile_kernel": "_group_tile_kernel",
+                 "_factored_stats_kernel": "_group_stats_kernel",
+                 "_factored_finalize_kernel": "_group_finalize_kernel"}
+
+
+def layouts(ttgir: str) -> list[str]:
+    """The layout of every load and of every reduction's operand in a TTGIR module, in program
+    order, with the ``#blocked`` aliases resolved. A reduction's order follows its operand's
+    layout, so equal lists mean equal summation orders."""
+    import re
+
+    # "#ttg." since Triton 3.3, "#triton_gpu." before: any attribute alias.
+    aliases = dict(re.findall(r"^(#[\w]+) = (#[\w.]+<[^\n]+)$", ttgir, re.M))
+    out = []
+    for line in ttgir.splitlines():
+        if "tt.load" in line or (line.lstrip().startswith("})") and "->" in line):
+            out += [aliases.get(a, a) for a in re.findall(r"(#[\w]+)>", line.split(" : ")[-1])]
+    return out
+
+
+def compare_group_layouts() -> int:
+    """For each of :data:`LAYOUT_CASES` (bf16, nearest rounding), compile the one-tensor
+    launches (``factored_step_triton`` / ``block_step_triton``) and the grouped ones
+    (``StepGroups``) to TTGIR and compare :func:`layouts` kernel by kernel. Prints one line per
+    kernel pair; returns the number of pairs that differ."""
+    from gefen_kernels.ops.block_step import block_step_triton
+    from gefen_kernels.ops.factored_step import factored_step_triton
+
+    cb = _codebooks()[0]
+    kw: dict[str, Any] = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, bc1_recip=10.0,
+                              decay=1.0)
+
+    def one(shape: tuple[int, ...], period: int) -> None:
+        n = 1
+        for d in shape:
+            n *= d
+        q = torch.zeros(n // period, period, dtype=torch.uint8)
+        s = torch.zeros(n // period, 1)
+        p, g = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+        if len(shape) == 2:
+            factored_step_triton(p, g, q, s, torch.zeros(shape[0]), torch.zeros(shape[1]), cb,
+                                 bc2_recip=30.0, **kw)
+        else:
+            block_step_triton(p, g, q, s, torch.zeros(n // period, 1), cb, bc2_rsqrt=30.0, **kw)
+
+    different = 0
+    for shape, period in LAYOUT_CASES:
+        single = record_launches(iter([functools.partial(one, shape, period)]))
+        grouped = {launch.kernel.__name__: launch for launch in record_launches(iter(
+            [functools.partial(_group_launch, [(shape, period)], torch.bfloat16, torch.bfloat16,
+                               cb)])) if not launch.constexprs.get("MAXIMIZE")}
+        for launch in single:
+            name = launch.kernel.__name__
+            twin = grouped[_LAYOUT_PAIRS[name]]
+            a = layouts(str(compile_launch(launch, "ttgir")))
+            b = layouts(str(compile_launch(twin, "ttgir")))
+            same = a == b and bool(a)
+            different += not same
+            print(f"{str(shape):14s} P={period:<5d} {name} / {twin.kernel.__name__}: "
+                  f"{'same layouts' if same else 'DIFFERENT'}", flush=True)
+            if not same:
+                print(f"  one-tensor: {a}\n  grouped:    {b}")
+    return different
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", choices=STAGES, default="ttgir",
                         help="last compiler stage to run (default: ttgir; cubin needs ptxas)")
     parser.add_argument("--list", action="store_true", help="print each configuration")
+    parser.add_argument("--compare-layouts", action="store_true",
+                        help="compare the grouped kernels' TTGIR layouts with the one-tensor "
+                             "kernels' (same bits need the same layouts); exit 1 if any differ")
     parser.add_argument("--resources", action="store_true",
                         help="compile to cubin and print registers, spills and register-limited "
                              "warps per SM of every distinct configuration")
     args = parser.parse_args(argv)
+    if args.compare_layouts:
+        import triton
+
+        different = compare_group_layouts()
+        print(f"triton {triton.__version__}: {different} kernel pairs with different layouts")
+        return 1 if different else 0
     if args.resources:
         args.stage = "cubin"
     import triton

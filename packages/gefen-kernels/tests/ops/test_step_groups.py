@@ -107,8 +107,12 @@ def test_groups_equal_one_launch_per_plan(options, scratch_bytes, monkeypatch) -
     plans = _plans(b, cb, **options)
     grads = [it["grad"] for it in b]
     groups = StepGroups(plans, grads)
-    for _ in range(2):  # a second step through the same tables
-        groups.launch(grads, scalars, seeds)
+    groups.launch(grads, scalars, seeds)
+    # A second step through the same tables, with the gradients at new addresses (as in a
+    # loop that frees them): their offsets are recomputed every step.
+    moved = [g.clone() for g in grads]
+    assert groups.matches(plans, moved)
+    groups.launch(moved, scalars, seeds)
     for plan, it, sc, seed in zip(_plans(a, cb, **options), a, scalars, seeds):
         lr, bc1, bc2, decay = sc
         plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
@@ -165,6 +169,33 @@ def test_groups_signature_tracks_gradient_dtype_and_alignment() -> None:
     shifted.copy_(grads[0])
     assert not groups.matches(plans, [shifted, grads[1]])
     assert not groups.matches(plans[::-1], grads[::-1])
+    # A planned tensor whose storage moved keeps its identity (and its plan) but not its
+    # address: the tables must be rebuilt.
+    items[1]["param"].data = items[1]["param"].data.clone()
+    assert not groups.matches(plans, grads)
+
+
+def test_groups_hold_no_tensor() -> None:
+    """The tables keep offsets and plans (weak references), never a tensor: the optimizer
+    state a group was built for is freed with it, also when the group is cached under a weak
+    key such as its first codes tensor."""
+    import gc
+    import weakref
+
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    dev = _device()
+    cb = make_codebook(2).to(dev)
+    items = _tensors(dev, seed=6)[:3]
+    plans = _plans(items, cb, maximize=False, stochastic_round=False)
+    grads = [it["grad"] for it in items]
+    cache = WeakIdKeyDictionary()
+    cache[items[0]["codes"]] = StepGroups(plans, grads)
+    alive = [weakref.ref(it[k]) for it in items for k in ("param", "codes", "scale")]
+    del items, grads
+    gc.collect()
+    assert all(ref() is None for ref in alive)
+    assert len(cache) == 0
 
 
 def test_unaligned_gradients_launch_alone_with_the_same_bits() -> None:

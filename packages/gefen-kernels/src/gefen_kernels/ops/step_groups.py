@@ -9,10 +9,13 @@ tile, alignment) and launches each class as one tile launch (block mode) or one 
 finalize and one tile launch per chunk of factored tensors whose scratch fits
 :data:`GROUP_SCRATCH_BYTES`. Plans of other routes (loop, split) launch one by one, as before.
 
-Per step, the scalars, seeds and gradient addresses travel in one host-to-device copy from
-pinned memory; nothing else is rebuilt while the plans and the gradients' dtypes and alignment
-stay the same. The kernels (:mod:`._group_kernels`) do each tensor's per-program work of the
-one-tensor kernels, so the result is bit-identical to :meth:`StepPlan.launch` on every plan
+Per step, the scalars, seeds and gradient offsets travel in one host-to-device copy from
+pinned memory; nothing else is rebuilt while the plans, their tensors' addresses and the
+gradients' dtypes and alignment stay the same (:meth:`StepGroups.matches`). The tables hold
+offsets and plans (weak references), never a tensor. A launch cannot be captured in a CUDA
+graph (its per-step values are staged from host memory). The kernels
+(:mod:`._group_kernels`) do each tensor's per-program work of the one-tensor kernels with the
+same compiled layouts, so the result is bit-identical to :meth:`StepPlan.launch` on every plan
 with the same scalars and seeds.
 """
 
@@ -134,9 +137,10 @@ class _Launches:
         self.consts = {k: first._consts[k] for k in ("BPP", "P2", "MAXIMIZE", "STOCHASTIC",
                                                       "STEPS", "OFFS64", "num_warps")}
         self.layout = first._stats_layout
-        # The class's bases: tensors of the first member (alive as long as the plans are).
-        param, codes, scale = first.tensors()[:3]
-        self.bases: tuple[Tensor, Tensor, Tensor] = (param, codes, scale)  # type: ignore[assignment]
+        # The class's bases are the first member's parameter, codes and scales, looked up
+        # through its plan when needed: the tables hold no tensor, so an optimizer's state is
+        # freed with it (a cache keyed weakly on a state tensor stays weak).
+        self._first = first
         self.chunks: list[dict[str, Any]] = []
         chunk: list[int] = []
         used = 0
@@ -156,9 +160,16 @@ class _Launches:
         one-tensor launch, rounded up to 16 bytes."""
         return _cdiv(sum(_partials(plan)) + 1, 4) * 4
 
+    def bases(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The class's base parameter, codes and fp32 (scales) tensors."""
+        param, codes, scale = self._first.tensors()[:3]
+        assert param is not None and codes is not None and scale is not None
+        return param, codes, scale
+
     def _build(self, members: list[int], plans: Sequence[StepPlan],
                device: torch.device) -> dict[str, Any]:
         specs = self.specs
+        bases = self.bases()
         rows_out: list[list[int]] = []
         maps: dict[str, list[int]] = {"tile": [], "stats": [], "finalize": []}
         offset = 0
@@ -168,7 +179,7 @@ class _Launches:
             num_blocks, period, ncols, magic, shift = plan._ints
             row = tile_meta_row(
                 param, codes, scale, sq if sq is not None else r, k,  # type: ignore[arg-type]
-                self.bases, t=i, num_blocks=num_blocks, period=period,  # type: ignore[arg-type]
+                bases, t=i, num_blocks=num_blocks, period=period,  # type: ignore[arg-type]
                 ncols=ncols, magic=magic, shift=shift, specs=(specs[0], specs[1]),
                 tile_first=len(maps["tile"]))
             maps["tile"].extend([local] * _cdiv(num_blocks, self.consts["BPP"]))
@@ -263,22 +274,20 @@ class StepGroups:
         for cls in self._classes:
             for i in cls.members:
                 self._grad_base[i] = cls.members[0]
-        n = len(plans)
-        # One int64 buffer: hyper (fp32 [n, 4] as 2n words) | gradient offsets | seeds.
-        self._device_buffer = torch.zeros(4 * n, dtype=torch.int64, device=self.device)
-        self._hyper = self._device_buffer[:2 * n].view(torch.float32).view(n, 4)
-        self._gptr = self._device_buffer[2 * n:3 * n]
-        self._seeds = self._device_buffer[3 * n:]
         self._pin = self.device.type == "cuda"
 
     @staticmethod
     def signature(plans: Sequence[StepPlan], grads: Sequence[Tensor]) -> tuple[Any, ...]:
-        """What the classes depend on beyond the plans: each gradient's dtype, layout and
-        16-byte alignment."""
-        return tuple((g.dtype, g.is_contiguous(), g.data_ptr() % 16 == 0) for g in grads)
+        """What the tables depend on beyond the plans' identity: the address and dtype of every
+        planned tensor (``p.data = ...`` or ``set_()`` keeps a tensor's identity but moves its
+        storage) and each gradient's dtype, layout and 16-byte alignment."""
+        return (tuple((t.data_ptr(), t.dtype) if t is not None else None
+                      for plan in plans for t in plan.tensors()),
+                tuple((g.dtype, g.is_contiguous(), g.data_ptr() % 16 == 0) for g in grads))
 
     def matches(self, plans: Sequence[StepPlan], grads: Sequence[Tensor]) -> bool:
-        """Whether these plans (identity) and gradients fit the classes built."""
+        """Whether these plans (identity), their tensors' storage and these gradients fit the
+        tables built."""
         return (tuple(map(id, plans)) == self._ids
                 and self.signature(plans, grads) == self._signature)
 
@@ -293,6 +302,10 @@ class StepGroups:
                 and ``bc2_recip`` in factored mode).
             seeds: per plan signed 64-bit stochastic-rounding seeds, or ``None`` (nearest).
         """
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("StepGroups.launch stages its per-step values from host memory "
+                               "and cannot be captured in a CUDA graph; launch the plans "
+                               "(StepPlan.launch with hyper/seed_tensor) instead")
         n = len(self._plans)
         floats: list[float] = []
         for lr, bc1, bc2, decay in scalars:
@@ -304,9 +317,13 @@ class StepGroups:
         words += [(a - addresses[b]) >> 4 for a, b in zip(addresses, self._grad_base)]
         words += [to_signed64(s) for s in seeds] if seeds is not None else [0] * n
         staged = torch.tensor(words, dtype=torch.int64)
-        # Pinned, from the caching host allocator: reused only after this copy has run.
-        self._device_buffer.copy_(staged.pin_memory() if self._pin else staged,
-                                  non_blocking=self._pin)
+        # Pinned, from the caching host allocator: reused only after this copy has run. A new
+        # device buffer every step (one small allocation): a step on another stream never
+        # overwrites values the previous step's kernels may still be reading.
+        buffer = torch.empty(4 * n, dtype=torch.int64, device=self.device)
+        buffer.copy_(staged.pin_memory() if self._pin else staged, non_blocking=self._pin)
+        hyper = buffer[:2 * n].view(torch.float32).view(n, 4)
+        gptr, seed_table = buffer[2 * n:3 * n], buffer[3 * n:]
         for i in self._singles:
             lr, bc1, bc2, decay = scalars[i]
             self._plans[i].launch(grads[i], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay,
@@ -319,7 +336,7 @@ class StepGroups:
         for cls in self._classes:
             c = cls.consts
             sp = cls.specs
-            p_base, q_base, f_base = cls.bases
+            p_base, q_base, f_base = cls.bases()
             g_base = grads[cls.members[0]]
             for chunk in cls.chunks:
                 # The previous chunk's scratch goes back to the allocator before this one's
@@ -331,7 +348,7 @@ class StepGroups:
                     tickets = scratch[chunk["scratch"]:].view(torch.int32)
                     rb, cb = cls.layout[:2]  # type: ignore[index]
                     _group_stats_kernel[(chunk["n_stats"],)](
-                        chunk["meta"], chunk["stats"], self._gptr, g_base, scratch, tickets,
+                        chunk["meta"], chunk["stats"], gptr, g_base, scratch, tickets,
                         G_VEC=cls.g_vec, RB=rb, CB=cb, SPEC_NROWS=sp[2], SPEC_NCOLS=sp[1],
                         SPEC_TILES=sp[3], SPEC_SPLITS=sp[4], SPEC_TPS=sp[5], SPEC_RPP=sp[6],
                         COL_PART_ALIGNED=bool(sp[8]), num_warps=8, **LAUNCH_OPTIONS)
@@ -341,9 +358,9 @@ class StepGroups:
                         COL_PART_ALIGNED=bool(sp[8]), BLOCK_SUM_ALIGNED=bool(sp[9]),
                         **_FIN_CONSTS)
                 _group_tile_kernel[(chunk["n_tile"],)](
-                    chunk["meta"], chunk["tile"], self._gptr, p_base, g_base, q_base, f_base,
+                    chunk["meta"], chunk["tile"], gptr, p_base, g_base, q_base, f_base,
                     codebook if scratch is None else scratch, codebook, first._table,
-                    self._hyper, self._seeds, b1, omb1, b2, omb2, eps, P_VEC=cls.p_vec,
+                    hyper, seed_table, b1, omb1, b2, omb2, eps, P_VEC=cls.p_vec,
                     G_VEC=cls.g_vec, BPP=c["BPP"], P2=c["P2"],
                     FACTORED=cls.factored, MAXIMIZE=c["MAXIMIZE"], STOCHASTIC=c["STOCHASTIC"],
                     STEPS=c["STEPS"], OFFS64=c["OFFS64"], SPEC_PERIOD=sp[0], SPEC_NCOLS=sp[1],

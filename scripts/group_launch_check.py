@@ -40,11 +40,10 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def check_case(label: str, specs: list, factored: bool, cb: torch.Tensor) -> None:  # type: ignore[type-arg]
     """Bits (A1 vs A2, A1 vs B) and per-plan against grouped time of one case."""
-    from kernel_sweep import median_event_ms
+    from kernel_sweep import diagnostic_plan, median_event_ms
 
     from gefen_kernels._numerics import f32
     from gefen_kernels.ops.step_groups import StepGroups
-    from gefen_kernels.ops.step_plan import StepPlan
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     base = []
@@ -72,21 +71,7 @@ def check_case(label: str, specs: list, factored: bool, cb: torch.Tensor) -> Non
 
     def plans_of(items):  # type: ignore[no-untyped-def]
         return [
-            StepPlan(
-                it["p"],
-                it["q"],
-                it["s"],
-                it["v"],
-                it["r"],
-                it["k"],
-                cb,
-                beta1=0.9,
-                beta2=0.999,
-                eps=1e-8,
-                maximize=False,
-                stochastic_round=False,
-                capturable=False,
-            )
+            diagnostic_plan(it["p"], it["q"], it["s"], it["v"], it["r"], it["k"], cb)
             for it in items
         ]
 

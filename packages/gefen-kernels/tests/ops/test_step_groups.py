@@ -175,6 +175,25 @@ def test_groups_signature_tracks_gradient_dtype_and_alignment() -> None:
     assert not groups.matches(plans, grads)
 
 
+def test_launch_refuses_a_grouped_gradient_that_lost_its_alignment() -> None:
+    dev = _device()
+    cb = make_codebook(2).to(dev)
+    items = [_tensors(dev, seed=4)[j] for j in (1, 5)]  # two members of one fp32 class
+    plans = _plans(items, cb, maximize=False, stochastic_round=False)
+    grads = [it["grad"] for it in items]
+    groups = StepGroups(plans, grads)
+    assert groups._singles == [] and len(groups._classes) == 1
+    before = [it["param"].clone() for it in items]
+    buf = torch.empty(grads[1].numel() + 1, dtype=grads[1].dtype, device=dev)
+    shifted = buf[1:].view_as(grads[1])
+    shifted.copy_(grads[1])
+    assert not groups.matches(plans, [grads[0], shifted])
+    with pytest.raises(ValueError, match="no longer 16-byte aligned"):
+        groups.launch([grads[0], shifted], [_scalars(0, True), _scalars(1, True)], None)
+    for it, p in zip(items, before):
+        assert torch.equal(it["param"], p)  # refused before anything was launched
+
+
 def test_groups_hold_no_tensor() -> None:
     """The tables keep offsets and plans (weak references), never a tensor: the optimizer
     state a group was built for is freed with it, also when the group is cached under a weak

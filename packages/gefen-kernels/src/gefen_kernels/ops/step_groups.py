@@ -296,7 +296,9 @@ class StepGroups:
         """One step of every plan with gradients ``grads``.
 
         Args:
-            grads: contiguous gradients, one per plan, fitting :meth:`matches`.
+            grads: contiguous gradients, one per plan, fitting :meth:`matches` (the caller
+                checks; a grouped gradient that lost its 16-byte alignment raises
+                ``ValueError`` before anything is launched).
             scalars: per plan ``(lr, bc1_recip, bc2, decay)`` already rounded to fp32 (as
                 :meth:`StepPlan.launch` takes them; ``bc2`` is ``bc2_rsqrt`` in block mode
                 and ``bc2_recip`` in factored mode).
@@ -314,7 +316,11 @@ class StepGroups:
         # A grouped gradient's distance from its class's base gradient, in 16-byte units
         # (both are 16-byte aligned: matches()); 0 for the others.
         addresses = [g.data_ptr() for g in grads]
-        words += [(a - addresses[b]) >> 4 for a, b in zip(addresses, self._grad_base)]
+        offsets = [a - addresses[b] for a, b in zip(addresses, self._grad_base)]
+        if any(d & 15 for d in offsets):
+            raise ValueError("a grouped gradient is no longer 16-byte aligned; check "
+                             "StepGroups.matches() before launch and rebuild the groups")
+        words += [d >> 4 for d in offsets]
         words += [to_signed64(s) for s in seeds] if seeds is not None else [0] * n
         staged = torch.tensor(words, dtype=torch.int64)
         # Pinned, from the caching host allocator: reused only after this copy has run. A new

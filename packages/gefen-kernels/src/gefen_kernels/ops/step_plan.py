@@ -163,8 +163,7 @@ class StepPlan:
             grad = grad.to(torch.float32)
         if self.numel == 0:
             return
-        param, codes, scale, exp_avg_sq, row, col, codebook = (
-            ref() if ref is not None else None for ref in self._refs)
+        param, codes, scale, exp_avg_sq, row, col, codebook = self.tensors()
         assert param is not None and codes is not None and scale is not None
         assert codebook is not None
         if self.capturable:

@@ -139,7 +139,10 @@ def test_grouped_launches_equal_one_launch_per_tensor(stochastic_round: bool,
     """The eager fused step launches whole classes of tensors at once
     (``gefen_kernels.ops.step_groups``); with that replaced by one plan launch per tensor the
     optimizer ends bit-identical (parameters and state), mixed dtypes and modes included."""
-    from gefen_core import functional
+    from gefen_core import _steady_step, functional
+
+    # Every step through the full path, so that every step takes the launcher under test.
+    monkeypatch.setattr(_steady_step, "build", lambda *args: None)
 
     def per_tensor(grouped, host, seeds, *, anchor):  # type: ignore[no-untyped-def]
         for plan, g, i in grouped:
@@ -167,6 +170,45 @@ def test_grouped_launches_equal_one_launch_per_tensor(stochastic_round: bool,
             opt.step()
         runs.append((params, opt))
     assert calls and min(calls) >= 4, calls  # the first run did group its tensors
+    (pa, oa), (pb, ob) = runs
+    for (name, a), (_, b) in zip(pa, pb):
+        assert torch.equal(a, b), name
+        for key, value in oa.state[a].items():
+            other = ob.state[b][key]
+            same = torch.equal(value, other) if isinstance(value, torch.Tensor) else \
+                value == other
+            assert same, f"{name} {key}"
+
+
+@pytest.mark.parametrize("stochastic_round", [False, True])
+def test_steady_steps_equal_full_steps_on_cuda(stochastic_round: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steady-state step (``gefen_core._steady_step``) repeats the full step's grouped
+    launches without rebuilding them: bit-identical parameters and state to an optimizer that
+    takes the full step every time, with gradients freed and re-allocated every step."""
+    from gefen_core import _steady_step
+
+    hits = []
+    run = _steady_step.SteadyStep.run
+
+    def counted(self, opt):  # type: ignore[no-untyped-def]
+        hits.append(run(self, opt))
+        return hits[-1]
+
+    monkeypatch.setattr(_steady_step.SteadyStep, "run", counted)
+    runs = []
+    for steady in (True, False):
+        params = _params(torch.bfloat16) + [
+            ("bias", torch.randn(96).to("cuda", torch.float16).requires_grad_())]
+        opt = Gefen(params, lr=1e-2, weight_decay=0.1, stochastic_round=stochastic_round)
+        for step in range(6):
+            _feed(params, step)
+            if not steady:
+                opt._steady = None
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs.append((params, opt))
+    assert hits == [True] * 5, hits
     (pa, oa), (pb, ob) = runs
     for (name, a), (_, b) in zip(pa, pb):
         assert torch.equal(a, b), name

@@ -352,8 +352,6 @@ def _planned_gefen(
     seed_tensors: Sequence[Tensor] | None, capturable: bool,
     factored_stats: Sequence[tuple[Tensor, int] | None] | None = None,
 ) -> None:
-    from gefen_kernels._numerics import f32
-
     n = len(params)
     counters = list(state_steps) + list(exp_avg_sq_steps)
     if all(c.device == counters[0].device for c in counters):
@@ -376,21 +374,8 @@ def _planned_gefen(
             for j, i in enumerate(idx):
                 hypers[i] = rows_[j]
     else:
-        host_lr = _host_lr(lr)
-        # One read of every counter (CPU tensors in the optimizer: no device sync).
-        ts = _read_counters(state_steps)
-        tvs = _read_counters(exp_avg_sq_steps)
-        cache: dict[tuple[float, float, bool], tuple[float, float, float, float]] = {}
-        for t, tv, fac in zip(ts, tvs, factored_flags):
-            key = (t, tv, fac)
-            vals = cache.get(key)
-            if vals is None:
-                sc = _host_scalars(t, tv, lr=host_lr, beta1=beta1, beta2=beta2,
-                                   weight_decay=weight_decay, factored=fac)
-                bc2 = sc["bc2_recip"] if fac else sc["bc2_rsqrt"]
-                vals = (f32(sc["lr"]), f32(sc["bc1_recip"]), f32(bc2), f32(sc["decay"]))
-                cache[key] = vals
-            host.append(vals)
+        host = _host_rows(state_steps, exp_avg_sq_steps, factored_flags, lr=_host_lr(lr),
+                          beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     if host and _graphable(params, factored_stats):
         _graphed_step(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sqs,
                       exp_avg_sq_rows, exp_avg_sq_cols, host, codebook=codebook,
@@ -432,16 +417,41 @@ def _planned_gefen(
                     seed=0 if seeds is None else seeds[i])
 
 
+def _host_rows(
+    state_steps: Sequence[Tensor], exp_avg_sq_steps: Sequence[Tensor],
+    factored_flags: Sequence[bool], *, lr: float, beta1: float, beta2: float,
+    weight_decay: float,
+) -> list[tuple[float, float, float, float]]:
+    """Per tensor ``(lr, bc1_recip, bc2, decay)`` rounded to fp32 (``bc2`` is ``bc2_recip``
+    in factored mode, ``bc2_rsqrt`` in block mode): :func:`_host_scalars` once per distinct
+    ``(step, exp_avg_sq_step, mode)``, every counter read in one go (CPU tensors in the
+    optimizer: no device sync)."""
+    from gefen_kernels._numerics import f32
+
+    ts = _read_counters(state_steps)
+    tvs = _read_counters(exp_avg_sq_steps)
+    cache: dict[tuple[float, float, bool], tuple[float, float, float, float]] = {}
+    host = []
+    for t, tv, fac in zip(ts, tvs, factored_flags):
+        key = (t, tv, fac)
+        vals = cache.get(key)
+        if vals is None:
+            sc = _host_scalars(t, tv, lr=lr, beta1=beta1, beta2=beta2,
+                               weight_decay=weight_decay, factored=fac)
+            bc2 = sc["bc2_recip"] if fac else sc["bc2_rsqrt"]
+            vals = (f32(sc["lr"]), f32(sc["bc1_recip"]), f32(bc2), f32(sc["decay"]))
+            cache[key] = vals
+        host.append(vals)
+    return host
+
+
 # Grouped launches (gefen_kernels.ops.step_groups), keyed (weakly) by the first plan's codes.
 _GROUPS: Any = None
 
 
-def _grouped_launch(grouped: Sequence[tuple[Any, Tensor, int]],
-                    host: Sequence[tuple[float, float, float, float]],
-                    seeds: Sequence[int] | None, *, anchor: Tensor) -> None:
-    """The planned tensors of one step in a few launches per class of tensors (one per
-    block-mode class, three per chunk of a factored class) instead of one to three per
-    tensor: bit-identical to the per-plan launches. ``anchor``: the first tensor's codes; the
+def _step_groups(plans: Sequence[Any], grads: Sequence[Tensor], anchor: Tensor) -> Any:
+    """The cached :class:`~gefen_kernels.ops.step_groups.StepGroups` of these plans and
+    gradients (rebuilt when they no longer fit it). ``anchor``: the first tensor's codes; the
     launch tables live as long as it does."""
     global _GROUPS
     from gefen_kernels.ops.step_groups import StepGroups
@@ -450,12 +460,21 @@ def _grouped_launch(grouped: Sequence[tuple[Any, Tensor, int]],
         from torch.utils.weak import WeakIdKeyDictionary
 
         _GROUPS = WeakIdKeyDictionary()
-    plans = [item[0] for item in grouped]
-    grads = [item[1] for item in grouped]
     groups = _GROUPS.get(anchor)
     if groups is None or not groups.matches(plans, grads):
         groups = StepGroups(plans, grads)
         _GROUPS[anchor] = groups
+    return groups
+
+
+def _grouped_launch(grouped: Sequence[tuple[Any, Tensor, int]],
+                    host: Sequence[tuple[float, float, float, float]],
+                    seeds: Sequence[int] | None, *, anchor: Tensor) -> None:
+    """The planned tensors of one step in a few launches per class of tensors (one per
+    block-mode class, three per chunk of a factored class) instead of one to three per
+    tensor: bit-identical to the per-plan launches."""
+    grads = [item[1] for item in grouped]
+    groups = _step_groups([item[0] for item in grouped], grads, anchor)
     groups.launch(grads, [host[i] for _, _, i in grouped],
                   None if seeds is None else [seeds[i] for _, _, i in grouped])
 
@@ -504,11 +523,12 @@ def _graphed_step(
 
 
 def _read_counters(counters: Sequence[Tensor]) -> list[float]:
-    """Every counter's value in one read when they share a device (CPU in the optimizer)."""
+    """Every counter's value: per tensor on the CPU (where the optimizer keeps them; cheaper
+    than stacking), else in one read when they share a device."""
     first = counters[0].device
-    if all(c.device == first for c in counters):
-        return torch.stack([c.reshape(()) for c in counters]).tolist()
-    return [float(c.item()) for c in counters]
+    if first.type == "cpu" or not all(c.device == first for c in counters):
+        return [float(c.item()) for c in counters]
+    return torch.stack([c.reshape(()) for c in counters]).tolist()
 
 
 def _apply_one_fused(

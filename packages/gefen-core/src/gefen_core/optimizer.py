@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _amp, _dispatch, _docs, _params
+from . import _amp, _dispatch, _docs, _params, _steady_step
 from .functional import gefen as _gefen_functional
 
 __all__ = ["Gefen"]
@@ -238,6 +238,8 @@ class Gefen(Optimizer):
         self._codebook_cache: dict[torch.device, Tensor] = {}
         self._lr_cache: dict[int, tuple[weakref.ref[Tensor], int, float]] = {}
         self._device_global_step: dict[torch.device, Tensor] = {}
+        # The last full step's launches, repeated while nothing they depend on changes.
+        self._steady: _steady_step.SteadyStep | None = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group; validated completely before anything is registered.
@@ -306,6 +308,7 @@ class Gefen(Optimizer):
         group["param_names"] = names
         group["param_names_synthesized"] = synthesized
         self.param_groups.append(group)
+        self._steady = None
 
     def _named_params(self) -> Iterable[tuple[dict[str, Any], Tensor, str]]:
         for group in self.param_groups:
@@ -616,6 +619,10 @@ class Gefen(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._steady is not None:
+            if self._steady.run(self):
+                return loss
+            self._steady = None
         entries = self._preflight()
 
         overflow, inv_scale = _amp.overflow_and_inverse_scale(self)
@@ -689,6 +696,7 @@ class Gefen(Optimizer):
         for t in self._device_global_step.values():
             t.add_(1)
         self._global_step += 1
+        self._steady = _steady_step.build(self, inits, live, stepped, _split_by_device)
         return loss
 
     def _attach_factored_stats(

@@ -1,0 +1,246 @@
+"""The steady-state eager fused step (the kernels issue: GPT-2-shaped steps are host-bound).
+
+A full :meth:`Gefen.step` walks every parameter in Python: it validates each gradient (§1.6 C),
+builds the per-path state lists (``_init_group``), looks up each tensor's launch plan and
+checks the grouped launch tables against every planned tensor's storage. That costs about
+25 µs per tensor of host time, more than the kernels of a GPT-2-sized model take on the GPU.
+In a training loop none of it changes from one step to the next.
+
+After a full step whose tensors all took the grouped fused launches, :func:`build` records
+what it launched. The next step calls :meth:`SteadyStep.run` first, which checks, before
+anything is mutated, that a full step would build exactly the same launches:
+
+* every group's parameter list (identity and order) and which parameters have a gradient;
+* each gradient's layout, dtype, shape, device, contiguity and 16-byte alignment (the
+  validation of §1.6 C, and what chose the launch classes);
+* each group's options other than ``lr`` (the plans are built for ``betas``, ``eps``,
+  ``maximize`` and the rounding; the path for ``fused``, ``foreach``, ``factored_v_2d``,
+  ``capturable``); ``lr`` is read every step, as in the full step;
+* each stepped parameter's state entries (identity), the address of every planned tensor
+  (``p.data = ...`` keeps a tensor's identity but moves its storage) and the parameters'
+  dtypes;
+* the codebook (the same tensor on each device, unmodified), no codebook refresh due, no
+  graph replay requested (``GEFEN_CUDA_GRAPHS``), not inside ``torch.compile``.
+
+If all hold it advances the counters, computes the per-step scalars with the full step's code
+(:func:`gefen_core.functional._host_rows`) and launches the same plans and launch tables, so
+the result is bit-identical to the full step. Otherwise it returns ``False`` having changed
+nothing, and the full step runs (and records again).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _amp, _dispatch, functional
+
+__all__ = ["SteadyStep", "build"]
+
+# The group options a full step's launches depend on, besides lr (read every step).
+_OPTION_KEYS = ("betas", "eps", "weight_decay", "maximize", "stochastic_round", "capturable",
+                "fused", "foreach", "factored_v_2d")
+_STRIDED = torch.strided
+
+
+def _options(group: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(group[k] for k in _OPTION_KEYS)
+
+
+class _Call:
+    """One ``functional.gefen`` call of the full step: one group's tensors on one device."""
+
+    __slots__ = ("group", "device", "params", "steps", "sq_steps", "counters", "factored",
+                 "salts", "plans", "groups", "codebook", "codebook_version")
+
+    def __init__(self, group: dict[str, Any], lists: dict[str, list[Any]],
+                 salts: list[int], plans: list[Any], groups: Any) -> None:
+        self.group = group
+        self.device: torch.device = lists["params"][0].device
+        self.params: list[Tensor] = lists["params"]
+        self.steps: list[Tensor] = lists["steps"]
+        self.sq_steps: list[Tensor] = lists["sq_steps"]
+        self.counters = self.steps + self.sq_steps
+        self.factored = [sq is None for sq in lists["sqs"]]
+        self.salts = salts
+        self.plans = plans
+        self.groups = groups  # StepGroups, or None for a single tensor (one plan launch)
+        self.codebook: Tensor = lists["codebooks"][0]
+        self.codebook_version = self.codebook._version
+
+
+class SteadyStep:
+    """What the last full step launched, and what must not have changed to launch it again.
+
+    Built by :func:`build`; :meth:`run` is the whole step when it returns ``True``.
+    """
+
+    def __init__(self, opt: Any, calls: list[_Call],
+                 expects: list[list[tuple[Any, ...] | None]], checked: list[Tensor]) -> None:
+        self._groups = [(g, list(g["params"]), _options(g)) for g in opt.param_groups]
+        self._calls = calls
+        # Per group, per parameter: None (no gradient) or (index of its call, or -1 for a
+        # gradient that is validated but not stepped (no elements); the gradient's dtype,
+        # shape (the parameter's), device and 16-byte alignment; the parameter's dtype; its
+        # state dict; ((state key, tensor), ...) of the state its launches use).
+        self._expects = expects
+        self._checked = checked  # every planned tensor but the codebook: addresses checked
+        self._pointers = [t.data_ptr() for t in checked]
+
+    def run(self, opt: Any) -> bool:
+        """Step ``opt`` if nothing the recorded launches depend on has changed; ``False``
+        (nothing done) otherwise. Called after the closure, before any other work."""
+        if opt._codebook_refresh_every > 0 and opt._global_step > 0 \
+                and opt._global_step % opt._codebook_refresh_every == 0:
+            return False
+        if torch.compiler.is_compiling() or os.environ.get("GEFEN_CUDA_GRAPHS", "0") == "1":
+            return False
+        if len(opt.param_groups) != len(self._groups):
+            return False
+        grads: list[list[Tensor]] = [[] for _ in self._calls]
+        every: list[Tensor] = []  # every gradient, for the AMP unscale of the full step
+        state = opt.state
+        for group, (ref, params, options), expects in zip(opt.param_groups, self._groups,
+                                                           self._expects):
+            current = group["params"]
+            if group is not ref or len(current) != len(params) or _options(group) != options:
+                return False
+            for p, q, e in zip(current, params, expects):
+                if p is not q:
+                    return False
+                g = p.grad
+                if e is None:
+                    if g is not None:
+                        return False
+                    continue
+                call, dtype, shape, device, aligned, p_dtype, st, entries = e
+                if (g is None or g.layout is not _STRIDED or g.dtype is not dtype
+                        or g.shape != shape or g.device != device or not g.is_contiguous()
+                        or (g.data_ptr() & 15 == 0) is not aligned
+                        or p.dtype is not p_dtype or p.shape != shape
+                        or state.get(p) is not st):
+                    return False
+                for key, t in entries:
+                    if st.get(key) is not t:
+                        return False
+                every.append(g)
+                if call >= 0:
+                    grads[call].append(g)
+        if [t.data_ptr() for t in self._checked] != self._pointers:
+            return False
+        for call in self._calls:
+            if (opt._codebook_on(call.device) is not call.codebook
+                    or call.codebook._version != call.codebook_version):
+                return False
+        # Everything the full step would check and build is as recorded: from here on this
+        # is the full step's work, in its order.
+        overflow, inv_scale = _amp.overflow_and_inverse_scale(opt)
+        if overflow:
+            return True  # §1.14: nothing learned, counted or touched.
+        if inv_scale is not None:
+            _amp.unscale_(every, inv_scale)
+        from .optimizer import mix_seed
+
+        for call, call_grads in zip(self._calls, grads):
+            group = call.group
+            beta1, beta2 = group["betas"]
+            with torch.cuda.device(call.device):
+                torch._foreach_add_(call.counters, 1)
+                host = functional._host_rows(
+                    call.steps, call.sq_steps, call.factored,
+                    lr=functional._host_lr(opt._host_lr(group["lr"])), beta1=beta1,
+                    beta2=beta2, weight_decay=group["weight_decay"])
+                if call.groups is not None:
+                    call.groups.launch(
+                        call_grads, host,
+                        [mix_seed(opt._global_step, s) for s in call.salts]
+                        if group["stochastic_round"] else None)
+                else:
+                    lr32, bc1_32, bc2_32, decay32 = host[0]
+                    call.plans[0].launch(call_grads[0], lr=lr32, bc1_recip=bc1_32, bc2=bc2_32,
+                                         decay=decay32,
+                                         seed=mix_seed(opt._global_step, call.salts[0]))
+        for t in opt._device_global_step.values():
+            t.add_(1)
+        opt._global_step += 1
+        return True
+
+
+def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, list[Any]]]]],
+          live: Sequence[tuple[dict[str, Any], Tensor, Tensor, str]],
+          stepped: Sequence[tuple[dict[str, Any], Tensor, Tensor, str]],
+          split: Any) -> SteadyStep | None:
+    """Record a full step that has just run, or ``None`` when :meth:`SteadyStep.run` could not
+    repeat it: a tensor off the grouped fused launches (another path, capturable, not
+    contiguous, a DTensor, reduced statistics), a live tensor the step skipped, graph replay
+    requested, or no codebook yet. ``split`` is the optimizer's per-device split of a path's
+    lists (``_split_by_device``)."""
+    from .optimizer import name_salt
+
+    if opt._codebook is None or len(stepped) != len(live) or not stepped:
+        return None
+    if os.environ.get("GEFEN_CUDA_GRAPHS", "0") == "1":
+        return None
+    names = {id(p): name for _, p, _, name in stepped}
+    calls: list[_Call] = []
+    call_of: dict[int, int] = {}
+    factored: dict[int, bool] = {}
+    for group, by_path in inits:
+        if set(by_path) != {"fused"} or group["capturable"]:
+            return None
+        for lists in split(by_path["fused"]):
+            params = lists["params"]
+            if (not functional._plans_apply(params)
+                    or any(s is not None for s in lists["factored_stats"])
+                    or any(_dispatch.is_dtensor(p) or not p.is_contiguous() for p in params)
+                    or any(not g.is_contiguous() for g in lists["grads"])):
+                return None
+            beta1, beta2 = group["betas"]
+            options = (beta1, beta2, group["eps"], bool(group["maximize"]),
+                       bool(group["stochastic_round"]), False)
+            plans = [functional._plan_for(p, c, s, sq, r, col, lists["codebooks"][0], options)
+                     for p, c, s, sq, r, col in zip(params, lists["codes"], lists["scales"],
+                                                    lists["sqs"], lists["rows"], lists["cols"])]
+            groups = None
+            if len(plans) > 1:
+                groups = functional._step_groups(plans, lists["grads"], lists["codes"][0])
+            for p, sq in zip(params, lists["sqs"]):
+                call_of[id(p)] = len(calls)
+                factored[id(p)] = sq is None
+            calls.append(_Call(group, lists, [name_salt(names[id(p)]) for p in params], plans,
+                               groups))
+    graded = {id(p): g for _, p, g, _ in live}
+    expects: list[list[tuple[Any, ...] | None]] = []
+    for group in opt.param_groups:
+        row: list[tuple[Any, ...] | None] = []
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                row.append(None)
+                continue
+            if _dispatch.is_dtensor(p) or g.layout is not _STRIDED or g.shape != p.shape:
+                return None
+            st = opt.state.get(p)
+            call = call_of.get(id(p), -1)
+            entries: tuple[tuple[str, Tensor], ...] = ()
+            if call >= 0:
+                if graded.get(id(p)) is not g:
+                    return None
+                keys = ["exp_avg_codes", "exp_avg_scale", "step", "exp_avg_sq_step"]
+                keys += (["exp_avg_sq_row", "exp_avg_sq_col"] if factored[id(p)]
+                         else ["exp_avg_sq"])
+                entries = tuple((k, st[k]) for k in keys)
+            elif p.numel() > 0:
+                return None
+            row.append((call, g.dtype, p.shape, g.device, g.data_ptr() & 15 == 0, p.dtype, st,
+                        entries))
+        expects.append(row)
+    checked: list[Tensor] = []
+    for recorded in calls:
+        for plan in recorded.plans:
+            checked += [t for t in plan.tensors()[:6] if t is not None]
+    return SteadyStep(opt, calls, expects, checked)

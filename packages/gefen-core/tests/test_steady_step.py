@@ -1,0 +1,245 @@
+"""The steady-state step (``gefen_core._steady_step``) against the full step, on the CPU.
+
+The eager fused path (plans and grouped launches) runs here on CPU tensors through Triton's
+interpreter: the CUDA-only entry points are patched to their CPU meaning. Every test steps two
+identical optimizers, one of which never takes the steady path, and requires the same bits;
+each also checks which path the other one took, so a test cannot pass by never taking it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from gefen_core import Gefen, _dispatch, _steady_step, functional
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available()
+    or not __import__("gefen_kernels").ops._dispatch.interpret_mode(),
+    reason="runs the fused path on CPU tensors: needs TRITON_INTERPRET=1 and no CUDA")
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Route CPU tensors through the planned fused path; count steady hits and misses."""
+    monkeypatch.setattr(_dispatch, "fused_blocker", lambda p: None)
+    monkeypatch.setattr(functional, "_plans_apply", lambda params: bool(params))
+    monkeypatch.setattr(functional, "_fused_gefen", functional._planned_gefen)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    counts = {"hit": 0, "miss": 0}
+    run = _steady_step.SteadyStep.run
+
+    def counted(self: _steady_step.SteadyStep, opt: Any) -> bool:
+        took = run(self, opt)
+        counts["hit" if took else "miss"] += 1
+        return took
+
+    monkeypatch.setattr(_steady_step.SteadyStep, "run", counted)
+    yield counts
+
+
+def _model(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [("w1", (16, 32), torch.bfloat16), ("b1", (33,), torch.float32),
+              ("w2", (8, 24), torch.float32), ("empty", (0,), torch.float32),
+              ("frozen", (4, 4), torch.float32), ("w3", (24, 8), torch.bfloat16)]
+    return [(n, torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(d)))
+            for n, s, d in shapes]
+
+
+def _twins(stochastic: bool = False) -> tuple[Gefen, Gefen, list[torch.Tensor],
+                                                list[torch.Tensor]]:
+    def make() -> tuple[Gefen, list[torch.Tensor]]:
+        named = _model()
+        groups = [
+            {"params": named[:4], "weight_decay": 0.0},
+            {"params": named[4:], "lr": 3e-3, "maximize": True, "betas": (0.8, 0.99)},
+        ]
+        opt = Gefen(groups, lr=1e-3, stochastic_round=stochastic)
+        return opt, [p for _, p in named]
+    a, pa = make()
+    b, pb = make()
+    return a, b, pa, pb
+
+
+def _grads(params: list[torch.Tensor], step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for i, p in enumerate(params):
+        if i == 4:  # "frozen": never a gradient
+            continue
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def _full_step(opt: Gefen, closure: Callable[[], Any] | None = None) -> Any:
+    opt._steady = None
+    return opt.step(closure)
+
+
+def _assert_same(a: Gefen, b: Gefen, pa: list[torch.Tensor], pb: list[torch.Tensor]) -> None:
+    for x, y in zip(pa, pb):
+        assert torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+    for x, y in zip(pa, pb):
+        sa, sb = a.state.get(x, {}), b.state.get(y, {})
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor):
+                assert torch.equal(sa[k], sb[k]), k
+            else:
+                assert sa[k] == sb[k], k
+    assert a._global_step == b._global_step
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_steady_steps_equal_full_steps(fused_on_cpu: dict[str, int], stochastic: bool) -> None:
+    a, b, pa, pb = _twins(stochastic)
+    for step in range(5):
+        _grads(pa, step)
+        _grads(pb, step)
+        a.step()
+        _full_step(b)
+        _assert_same(a, b, pa, pb)
+    assert fused_on_cpu == {"hit": 4, "miss": 0}
+    assert set(a.step_paths().values()) == {"fused"}
+
+
+def _changes() -> dict[str, Callable[[Gefen, list[torch.Tensor]], None]]:
+    def no_grad(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        ps[1].grad = None
+
+    def grad_dtype(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        if hasattr(ps[0], "grad_dtype"):  # torch >= 2.10 checks it on assignment
+            ps[0].grad_dtype = None
+        ps[0].grad = ps[0].grad.float()
+
+    def grad_strided(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        ps[2].grad = ps[2].grad.t().contiguous().t()
+
+    def first_grad(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        ps[4].grad = torch.ones_like(ps[4])
+
+    def betas(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        opt.param_groups[0]["betas"] = (0.85, 0.999)
+
+    def state_tensor(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        st = opt.state[ps[0]]
+        st["exp_avg_codes"] = st["exp_avg_codes"].clone()
+
+    def param_storage(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        ps[2].data = ps[2].data.clone()
+
+    def add_group(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+    def reload(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+    return {f.__name__: f for f in (no_grad, grad_dtype, grad_strided, first_grad, betas,
+                                     state_tensor, param_storage, add_group, reload)}
+
+
+@pytest.mark.parametrize("change", sorted(_changes()))
+def test_a_change_takes_the_full_step(fused_on_cpu: dict[str, int], change: str) -> None:
+    """Each change the recorded launches depend on sends the step back to the full path,
+    which then gives the same bits as an optimizer that never took the steady path (in
+    particular, a replaced state tensor or parameter storage is the one updated)."""
+    a, b, pa, pb = _twins()
+    for step in range(2):
+        _grads(pa, step)
+        _grads(pb, step)
+        a.step()
+        _full_step(b)
+    assert fused_on_cpu == {"hit": 1, "miss": 0}
+    _grads(pa, 2)
+    _grads(pb, 2)
+    _changes()[change](a, pa)
+    _changes()[change](b, pb)
+    a.step()
+    _full_step(b)
+    _assert_same(a, b, pa, pb)
+    invalidated = change in ("add_group", "reload")  # the record is dropped, not consulted
+    assert fused_on_cpu == {"hit": 1, "miss": 0 if invalidated else 1}
+
+
+def test_lr_change_keeps_the_steady_step(fused_on_cpu: dict[str, int]) -> None:
+    a, b, pa, pb = _twins()
+    for step in range(4):
+        _grads(pa, step)
+        _grads(pb, step)
+        for opt in (a, b):
+            opt.param_groups[1]["lr"] = 1e-3 * (step + 1)
+        a.step()
+        _full_step(b)
+        _assert_same(a, b, pa, pb)
+    assert fused_on_cpu == {"hit": 3, "miss": 0}
+
+
+def test_bad_gradient_on_a_steady_step_raises_before_any_change(
+        fused_on_cpu: dict[str, int]) -> None:
+    a, b, pa, pb = _twins()
+    for step in range(2):
+        _grads(pa, step)
+        _grads(pb, step)
+        a.step()
+        _full_step(b)
+    before = copy.deepcopy(a.state_dict())
+    params_before = [p.detach().clone() for p in pa]
+    _grads(pa, 2)
+    pa[2].grad = pa[2].grad.to_sparse()
+    with pytest.raises(RuntimeError, match="dense gradients"):
+        a.step()
+    assert fused_on_cpu["miss"] == 1
+    after = a.state_dict()
+    assert after["state"].keys() == before["state"].keys()
+    for i, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, after["state"][i][k]) if isinstance(v, torch.Tensor) \
+                else v == after["state"][i][k]
+    assert all(torch.equal(x, y) for x, y in zip(params_before, pa))
+
+
+def test_amp_overflow_on_a_steady_step_changes_nothing(fused_on_cpu: dict[str, int]) -> None:
+    a, b, pa, pb = _twins()
+    for step in range(2):
+        _grads(pa, step)
+        _grads(pb, step)
+        a.step()
+        _full_step(b)
+    _grads(pa, 2)
+    _grads(pb, 2)
+    for opt in (a, b):
+        opt.found_inf = torch.ones(1)  # type: ignore[attr-defined]
+    a.step()
+    _full_step(b)
+    assert fused_on_cpu == {"hit": 2, "miss": 0}
+    _assert_same(a, b, pa, pb)
+    assert a._global_step == 2
+    for opt in (a, b):
+        del opt.found_inf  # type: ignore[attr-defined]
+        opt.grad_scale = torch.full((1,), 4.0)  # type: ignore[attr-defined]
+    a.step()
+    _full_step(b)
+    assert fused_on_cpu["hit"] == 3
+    _assert_same(a, b, pa, pb)
+
+
+def test_codebook_refresh_step_takes_the_full_step(fused_on_cpu: dict[str, int]) -> None:
+    def make() -> tuple[Gefen, list[torch.Tensor]]:
+        named = _model()
+        return Gefen(named, codebook_refresh_every=3), [p for _, p in named]
+    (a, pa), (b, pb) = make(), make()
+    for step in range(5):
+        _grads(pa, step)
+        _grads(pb, step)
+        a.step()
+        _full_step(b)
+        _assert_same(a, b, pa, pb)
+        assert torch.equal(a._codebook, b._codebook)
+    # Steps 1, 2 and 4 repeat the record; step 3 refreshes the codebook (a miss), after
+    # which the new codebook's record is taken at step 4.
+    assert fused_on_cpu == {"hit": 3, "miss": 1}

@@ -198,8 +198,9 @@ def test_steady_steps_equal_full_steps_on_cuda(stochastic_round: bool,
     monkeypatch.setattr(_steady_step.SteadyStep, "run", counted)
     runs = []
     for steady in (True, False):
+        gen = torch.Generator().manual_seed(7)
         params = _params(torch.bfloat16) + [
-            ("bias", torch.randn(96).to("cuda", torch.float16).requires_grad_())]
+            ("bias", torch.randn(96, generator=gen).to("cuda", torch.float16).requires_grad_())]
         opt = Gefen(params, lr=1e-2, weight_decay=0.1, stochastic_round=stochastic_round)
         for step in range(6):
             _feed(params, step)

@@ -14,9 +14,11 @@ storages reachable from the optimizer, :mod:`.state_bytes`); alloc-delta B/param
 ``memory_allocated`` from before the optimizer was built to after all steps); peak extra MiB
 (``max_memory_allocated`` − ``memory_allocated`` before a step, after
 ``reset_peak_memory_stats``; max over 3 steady steps, and for the first step, which includes
-allocating the state); eff GB/s = the optimizer's minimal bytes/param (registry) × params /
-median step; % of the device-to-device copy bandwidth measured in the same run. Each row
-records its ``timer`` (``"cuda-events"`` on CUDA, ``"host-wall"`` otherwise).
+allocating the state); first-step transient MiB (that first-step peak less the memory the
+first step left allocated, i.e. its state: what the step needed beyond what it kept);
+eff GB/s = the optimizer's minimal bytes/param (registry) × params / median step; % of the
+device-to-device copy bandwidth measured in the same run. Each row records its ``timer``
+(``"cuda-events"`` on CUDA, ``"host-wall"`` otherwise).
 
 Muon-family rows (``GefenMuonHybrid``, ``torch.optim.Muon`` + AdamW) also carry
 ``state_halves`` (:func:`~gefen_bench.state_bytes.state_bytes_by_half`): the Muon half's state
@@ -161,6 +163,7 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
 
     timer = _Timer(device)
     first_peak: int | None = None
+    first_kept: int | None = None
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -168,6 +171,7 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
     first_s, _ = timer(step)
     if device.type == "cuda":
         first_peak = torch.cuda.max_memory_allocated(device) - (before_first or 0)
+        first_kept = (_allocated(device) or 0) - (before_first or 0)
     for _ in range(job["warmup"]):
         step()
     times, hosts = [], []
@@ -196,6 +200,8 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
         "peak_extra_mib": None if steady_peaks[0] is None
         else mib(max(p for p in steady_peaks if p is not None)),
         "first_step_peak_extra_mib": mib(first_peak),
+        "first_step_transient_mib": None if first_peak is None or first_kept is None
+        else mib(first_peak - first_kept),
         "min_bytes_per_param": min_bpp,
         "timer": "cuda-events" if device.type == "cuda" else "host-wall",
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -377,10 +383,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     wall = time.perf_counter() - start
     columns = ["optimizer", "model", "step ms median", "host-issue ms", "first-step ms",
                "state B/param", "alloc-delta B/param", "peak extra MiB",
-               "first-step peak MiB", "min B/param", "eff GB/s", "% copy BW"]
+               "first-step peak MiB", "first-step transient MiB", "min B/param", "eff GB/s",
+               "% copy BW"]
     table = [[r["optimizer"], r["model"], r["step_ms_median"], r["host_issue_ms_median"],
               r["first_step_ms"], r["state_bytes_per_param"], r["alloc_delta_bytes_per_param"],
-              r["peak_extra_mib"], r["first_step_peak_extra_mib"], r["min_bytes_per_param"],
+              r["peak_extra_mib"], r["first_step_peak_extra_mib"],
+              r.get("first_step_transient_mib"), r["min_bytes_per_param"],
               r["eff_gb_per_s"], r["pct_copy_bw"]] for r in sorted(rows, key=lambda r: r["model"])]
     print_table(f"gefen-bench step · {device} · {args.dtype} · {args.scale} shapes · "
                 f"{args.steps} timed steps", columns, table)

@@ -23,7 +23,7 @@ import torch
 MIB = 1 << 20
 
 
-def _measure(phases: list[tuple[float, str]], label: Callable[..., str],
+def _measure(phases: list[tuple[float, str, int]], label: Callable[..., str],
              fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -32,7 +32,8 @@ def _measure(phases: list[tuple[float, str]], label: Callable[..., str],
         torch.cuda.reset_peak_memory_stats()
         out = fn(*args, **kwargs)
         torch.cuda.synchronize()
-        phases.append(((torch.cuda.max_memory_allocated() - base) / MIB, label(*args)))
+        peak = torch.cuda.max_memory_allocated()
+        phases.append(((peak - base) / MIB, label(*args), peak))
         return out
     return wrapped
 
@@ -47,19 +48,19 @@ def _run(model: str) -> None:
     for _, p in named:
         p.grad = torch.randn(p.shape, generator=gen, device=dev, dtype=p.dtype)
     opt = Gefen(named, lr=1e-4)
-    phases: list[tuple[float, str]] = []
-    patches = [
+    phases: list[tuple[float, str, int]] = []
+    patches: list[tuple[Any, str, Callable[..., str]]] = [
         (Gefen, "_select_period",
          lambda self, p, g, name, group: f"period search {name} {list(p.shape)}"),
         (Gefen, "_learn", lambda self, entries, periods: "histogram + codebook"),
         (Gefen, "_init_group", lambda self, group, entries, periods: "state creation"),
     ]
-    saved = []
+    saved: list[tuple[Any, str, Any]] = []
     for owner, attr, label in patches:
         saved.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, _measure(phases, label, getattr(owner, attr)))
     saved.append((optimizer, "_gefen_functional", optimizer._gefen_functional))
-    optimizer._gefen_functional = _measure(  # type: ignore[attr-defined]
+    optimizer._gefen_functional = _measure(
         phases, lambda *a: f"update ({len(a[0])} tensors)", functional.gefen)
     try:
         torch.cuda.synchronize()
@@ -67,15 +68,19 @@ def _run(model: str) -> None:
         torch.cuda.reset_peak_memory_stats()
         opt.step()
         torch.cuda.synchronize()
-        total = (torch.cuda.max_memory_allocated() - start) / MIB
+        # Each phase reset the peak counter: the step's peak is the highest phase peak (or
+        # what came after the last phase).
+        top = max([torch.cuda.max_memory_allocated()] + [peak for _, _, peak in phases])
+        total = (top - start) / MIB
     finally:
-        for owner, attr, fn in saved:
-            setattr(owner, attr, fn)
+        for owner, attr, original in saved:
+            setattr(owner, attr, original)
     state = (torch.cuda.memory_allocated() - start) / MIB
-    print(f"\n=== {model}: first-step peak above its start {total:.1f} MiB "
-          f"(state created {state:.1f} MiB)")
-    for mib, label in sorted(phases, reverse=True)[:12]:
-        print(f"  {mib:10.1f} MiB  {label}")
+    print(f"\n=== {model}: first-step peak above its start {total:.1f} MiB; state created "
+          f"{state:.1f} MiB; peak above the state {total - state:.1f} MiB")
+    print("  peak of each phase above the memory allocated when it began, largest first:")
+    for mib, what, _ in sorted(phases, reverse=True)[:12]:
+        print(f"  {mib:10.1f} MiB  {what}")
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,7 +50,8 @@ def _model(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     shapes = [("w1", (16, 32), torch.bfloat16), ("b1", (33,), torch.float32),
               ("w2", (8, 24), torch.float32), ("empty", (0,), torch.float32),
-              ("frozen", (4, 4), torch.float32), ("w3", (24, 8), torch.bfloat16)]
+              ("frozen", (4, 4), torch.float32), ("w3", (24, 8), torch.bfloat16),
+              ("square", (8, 8), torch.float32)]
     return [(n, torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(d)))
             for n, s, d in shapes]
 
@@ -83,7 +86,7 @@ def _full_step(opt: Gefen, closure: Callable[[], Any] | None = None) -> Any:
 
 def _assert_same(a: Gefen, b: Gefen, pa: list[torch.Tensor], pb: list[torch.Tensor]) -> None:
     for x, y in zip(pa, pb):
-        assert torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
     for x, y in zip(pa, pb):
         sa, sb = a.state.get(x, {}), b.state.get(y, {})
         assert sa.keys() == sb.keys()
@@ -133,6 +136,10 @@ def _changes() -> dict[str, Callable[[Gefen, list[torch.Tensor]], None]]:
     def param_storage(opt: Gefen, ps: list[torch.Tensor]) -> None:
         ps[2].data = ps[2].data.clone()
 
+    def param_transposed(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        # Same address, shape and dtype; no longer contiguous.
+        ps[6].data = ps[6].data.t()
+
     def add_group(opt: Gefen, ps: list[torch.Tensor]) -> None:
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
 
@@ -140,7 +147,8 @@ def _changes() -> dict[str, Callable[[Gefen, list[torch.Tensor]], None]]:
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
 
     return {f.__name__: f for f in (no_grad, grad_dtype, grad_strided, first_grad, betas,
-                                     state_tensor, param_storage, add_group, reload)}
+                                     state_tensor, param_storage, param_transposed, add_group,
+                                     reload)}
 
 
 @pytest.mark.parametrize("change", sorted(_changes()))
@@ -243,3 +251,65 @@ def test_codebook_refresh_step_takes_the_full_step(fused_on_cpu: dict[str, int])
     # Steps 1, 2 and 4 repeat the record; step 3 refreshes the codebook (a miss), after
     # which the new codebook's record is taken at step 4.
     assert fused_on_cpu == {"hit": 3, "miss": 1}
+
+
+def test_the_record_does_not_keep_replaced_state_alive(fused_on_cpu: dict[str, int]) -> None:
+    """The record holds weak references: state replaced or dropped between steps (as
+    ``gefen_dist.offload_state_`` does after every step) is freed at once."""
+    a, _, pa, _ = _twins()
+    for step in range(2):
+        _grads(pa, step)
+        a.step()
+    assert a._steady is not None and fused_on_cpu["hit"] == 1
+    old = weakref.ref(a.state[pa[0]]["exp_avg_codes"])
+    a.state[pa[0]]["exp_avg_codes"] = a.state[pa[0]]["exp_avg_codes"].clone()
+    gc.collect()
+    assert old() is None
+    every = [weakref.ref(t) for st in a.state.values() for t in st.values()
+             if isinstance(t, torch.Tensor)]
+    a.state.clear()
+    gc.collect()
+    assert all(r() is None for r in every)
+
+
+def test_a_failing_lr_read_leaves_the_counters_as_the_full_step_does(
+        fused_on_cpu: dict[str, int]) -> None:
+    a, b, pa, pb = _twins()
+    for step in range(2):
+        _grads(pa, step)
+        _grads(pb, step)
+        a.step()
+        _full_step(b)
+    _grads(pa, 2)
+    _grads(pb, 2)
+    for opt in (a, b):
+        opt.param_groups[1]["lr"] = torch.ones(2)  # not a scalar: the read raises
+    with pytest.raises(RuntimeError) as steady_error:
+        a.step()
+    with pytest.raises(RuntimeError) as full_error:
+        _full_step(b)
+    assert str(steady_error.value) == str(full_error.value)
+    assert fused_on_cpu == {"hit": 1, "miss": 0}  # the third step raised inside run()
+    _assert_same(a, b, pa, pb)
+
+
+def test_an_optimizer_reducing_factored_statistics_takes_the_full_step(
+        fused_on_cpu: dict[str, int]) -> None:
+    """``_factored_statistics`` is called on every step of such an optimizer (a collective
+    in a distributed subclass), so its steps are never repeated from a record."""
+    calls = []
+
+    class Reducing(Gefen):
+        _reduces_factored_stats = True
+
+        def _factored_statistics(self, entries):  # type: ignore[no-untyped-def]
+            calls.append(len(entries))
+            return super()._factored_statistics(entries)
+
+    named = _model()
+    opt = Reducing(named)
+    for step in range(3):
+        _grads([p for _, p in named], step)
+        opt.step()
+    assert calls == [0, 0, 0] and opt._steady is None
+    assert fused_on_cpu == {"hit": 0, "miss": 0}

@@ -17,20 +17,24 @@ anything is mutated, that a full step would build exactly the same launches:
   ``maximize`` and the rounding; the path for ``fused``, ``foreach``, ``factored_v_2d``,
   ``capturable``); ``lr`` is read every step, as in the full step;
 * each stepped parameter's state entries (identity), the address of every planned tensor
-  (``p.data = ...`` keeps a tensor's identity but moves its storage) and the parameters'
-  dtypes;
+  (``p.data = ...`` keeps a tensor's identity but moves its storage), the parameters' dtypes,
+  devices and contiguity (a transposed square matrix keeps its address and shape);
 * the codebook (the same tensor on each device, unmodified), no codebook refresh due, no
   graph replay requested (``GEFEN_CUDA_GRAPHS``), not inside ``torch.compile``.
 
 If all hold it advances the counters, computes the per-step scalars with the full step's code
 (:func:`gefen_core.functional._host_rows`) and launches the same plans and launch tables, so
 the result is bit-identical to the full step. Otherwise it returns ``False`` having changed
-nothing, and the full step runs (and records again).
+nothing, and the full step runs (and records again). The record holds weak references only, so
+it never keeps replaced, deleted or offloaded state alive. An optimizer that reduces factored
+statistics (``_reduces_factored_stats``, whose ``_factored_statistics`` hook may be a
+collective on every step) is never recorded.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,42 +58,43 @@ def _options(group: dict[str, Any]) -> tuple[Any, ...]:
 class _Call:
     """One ``functional.gefen`` call of the full step: one group's tensors on one device."""
 
-    __slots__ = ("group", "device", "params", "steps", "sq_steps", "counters", "factored",
-                 "salts", "plans", "groups", "codebook", "codebook_version")
+    __slots__ = ("group", "device", "factored", "salts", "plans", "groups", "codebook",
+                 "codebook_version")
 
     def __init__(self, group: dict[str, Any], lists: dict[str, list[Any]],
                  salts: list[int], plans: list[Any], groups: Any) -> None:
         self.group = group
         self.device: torch.device = lists["params"][0].device
-        self.params: list[Tensor] = lists["params"]
-        self.steps: list[Tensor] = lists["steps"]
-        self.sq_steps: list[Tensor] = lists["sq_steps"]
-        self.counters = self.steps + self.sq_steps
         self.factored = [sq is None for sq in lists["sqs"]]
         self.salts = salts
-        self.plans = plans
+        self.plans = plans  # the plans and the launch tables hold no tensors
         self.groups = groups  # StepGroups, or None for a single tensor (one plan launch)
-        self.codebook: Tensor = lists["codebooks"][0]
-        self.codebook_version = self.codebook._version
+        codebook: Tensor = lists["codebooks"][0]
+        self.codebook = weakref.ref(codebook)
+        self.codebook_version = codebook._version
 
 
 class SteadyStep:
     """What the last full step launched, and what must not have changed to launch it again.
 
-    Built by :func:`build`; :meth:`run` is the whole step when it returns ``True``.
+    Built by :func:`build`; :meth:`run` is the whole step when it returns ``True``. It holds
+    only weak references to parameters and state, so state that is replaced, deleted or
+    offloaded (``gefen_dist.offload_state_``) is freed at once, and the next step then takes
+    the full path.
     """
 
     def __init__(self, opt: Any, calls: list[_Call],
-                 expects: list[list[tuple[Any, ...] | None]], checked: list[Tensor]) -> None:
-        self._groups = [(g, list(g["params"]), _options(g)) for g in opt.param_groups]
+                 expects: list[list[tuple[Any, ...] | None]]) -> None:
+        self._groups = [(g, [weakref.ref(p) for p in g["params"]], _options(g))
+                        for g in opt.param_groups]
         self._calls = calls
-        # Per group, per parameter: None (no gradient) or (index of its call, or -1 for a
-        # gradient that is validated but not stepped (no elements); the gradient's dtype,
-        # shape (the parameter's), device and 16-byte alignment; the parameter's dtype; its
-        # state dict; ((state key, tensor), ...) of the state its launches use).
+        # Per group, per parameter: None (no gradient) or a tuple of: the index of its call,
+        # or -1 for a gradient that is validated but not stepped (no elements); the
+        # gradient's dtype, shape (the parameter's), device (the parameter's) and 16-byte
+        # alignment; the parameter's dtype and address; and, for a stepped parameter,
+        # ((state key, weak reference, address or None), ...) of the state its launches use,
+        # the two step counters last.
         self._expects = expects
-        self._checked = checked  # every planned tensor but the codebook: addresses checked
-        self._pointers = [t.data_ptr() for t in checked]
 
     def run(self, opt: Any) -> bool:
         """Step ``opt`` if nothing the recorded launches depend on has changed; ``False``
@@ -101,40 +106,54 @@ class SteadyStep:
             return False
         if len(opt.param_groups) != len(self._groups):
             return False
-        grads: list[list[Tensor]] = [[] for _ in self._calls]
+        calls = self._calls
+        grads: list[list[Tensor]] = [[] for _ in calls]
+        steps: list[list[Tensor]] = [[] for _ in calls]
+        sq_steps: list[list[Tensor]] = [[] for _ in calls]
         every: list[Tensor] = []  # every gradient, for the AMP unscale of the full step
         state = opt.state
         for group, (ref, params, options), expects in zip(opt.param_groups, self._groups,
                                                            self._expects):
-            current = group["params"]
+            current: list[Tensor] = group["params"]
             if group is not ref or len(current) != len(params) or _options(group) != options:
                 return False
             for p, q, e in zip(current, params, expects):
-                if p is not q:
+                if p is not q():
                     return False
                 g = p.grad
                 if e is None:
                     if g is not None:
                         return False
                     continue
-                call, dtype, shape, device, aligned, p_dtype, st, entries = e
+                call, dtype, shape, device, aligned, p_dtype, p_ptr, entries = e
                 if (g is None or g.layout is not _STRIDED or g.dtype is not dtype
                         or g.shape != shape or g.device != device or not g.is_contiguous()
                         or (g.data_ptr() & 15 == 0) is not aligned
-                        or p.dtype is not p_dtype or p.shape != shape
-                        or state.get(p) is not st):
+                        or p.dtype is not p_dtype or p.shape != shape or p.device != device
+                        or p.data_ptr() != p_ptr):
                     return False
-                for key, t in entries:
-                    if st.get(key) is not t:
-                        return False
                 every.append(g)
-                if call >= 0:
-                    grads[call].append(g)
-        if [t.data_ptr() for t in self._checked] != self._pointers:
-            return False
-        for call in self._calls:
-            if (opt._codebook_on(call.device) is not call.codebook
-                    or call.codebook._version != call.codebook_version):
+                if call < 0:
+                    continue
+                # Stepped: contiguous in place (a transposed view of a square matrix keeps
+                # its address and shape), and the state the launches were planned for.
+                if not p.is_contiguous():
+                    return False
+                st = state.get(p)
+                if st is None:
+                    return False
+                for key, t_ref, ptr in entries:
+                    t = st.get(key)
+                    if t is None or t is not t_ref() or (ptr is not None
+                                                         and t.data_ptr() != ptr):
+                        return False
+                grads[call].append(g)
+                steps[call].append(st["step"])
+                sq_steps[call].append(st["exp_avg_sq_step"])
+        for call in calls:
+            codebook = call.codebook()
+            if (codebook is None or opt._codebook_on(call.device) is not codebook
+                    or codebook._version != call.codebook_version):
                 return False
         # Everything the full step would check and build is as recorded: from here on this
         # is the full step's work, in its order.
@@ -145,23 +164,24 @@ class SteadyStep:
             _amp.unscale_(every, inv_scale)
         from .optimizer import mix_seed
 
-        for call, call_grads in zip(self._calls, grads):
+        for i, call in enumerate(calls):
             group = call.group
             beta1, beta2 = group["betas"]
+            # As in the full step: the group's lr is read before its counters move.
+            lr = functional._host_lr(opt._host_lr(group["lr"]))
             with torch.cuda.device(call.device):
-                torch._foreach_add_(call.counters, 1)
-                host = functional._host_rows(
-                    call.steps, call.sq_steps, call.factored,
-                    lr=functional._host_lr(opt._host_lr(group["lr"])), beta1=beta1,
-                    beta2=beta2, weight_decay=group["weight_decay"])
+                torch._foreach_add_(steps[i] + sq_steps[i], 1)
+                host = functional._host_rows(steps[i], sq_steps[i], call.factored, lr=lr,
+                                             beta1=beta1, beta2=beta2,
+                                             weight_decay=group["weight_decay"])
                 if call.groups is not None:
                     call.groups.launch(
-                        call_grads, host,
+                        grads[i], host,
                         [mix_seed(opt._global_step, s) for s in call.salts]
                         if group["stochastic_round"] else None)
                 else:
                     lr32, bc1_32, bc2_32, decay32 = host[0]
-                    call.plans[0].launch(call_grads[0], lr=lr32, bc1_recip=bc1_32, bc2=bc2_32,
+                    call.plans[0].launch(grads[i][0], lr=lr32, bc1_recip=bc1_32, bc2=bc2_32,
                                          decay=decay32,
                                          seed=mix_seed(opt._global_step, call.salts[0]))
         for t in opt._device_global_step.values():
@@ -177,11 +197,13 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
     """Record a full step that has just run, or ``None`` when :meth:`SteadyStep.run` could not
     repeat it: a tensor off the grouped fused launches (another path, capturable, not
     contiguous, a DTensor, reduced statistics), a live tensor the step skipped, graph replay
-    requested, or no codebook yet. ``split`` is the optimizer's per-device split of a path's
-    lists (``_split_by_device``)."""
+    requested, no codebook yet, or an optimizer that reduces factored statistics (its
+    ``_factored_statistics`` hook is called on every step). ``split`` is the optimizer's
+    per-device split of a path's lists (``_split_by_device``)."""
     from .optimizer import name_salt
 
-    if opt._codebook is None or len(stepped) != len(live) or not stepped:
+    if (opt._codebook is None or len(stepped) != len(live) or not stepped
+            or opt._reduces_factored_stats):
         return None
     if os.environ.get("GEFEN_CUDA_GRAPHS", "0") == "1":
         return None
@@ -222,25 +244,24 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
             if g is None:
                 row.append(None)
                 continue
-            if _dispatch.is_dtensor(p) or g.layout is not _STRIDED or g.shape != p.shape:
+            if (_dispatch.is_dtensor(p) or g.layout is not _STRIDED or g.shape != p.shape
+                    or g.device != p.device):
                 return None
-            st = opt.state.get(p)
             call = call_of.get(id(p), -1)
-            entries: tuple[tuple[str, Tensor], ...] = ()
+            entries: tuple[tuple[str, Any, int | None], ...] = ()
             if call >= 0:
                 if graded.get(id(p)) is not g:
                     return None
-                keys = ["exp_avg_codes", "exp_avg_scale", "step", "exp_avg_sq_step"]
+                st = opt.state[p]
+                keys = ["exp_avg_codes", "exp_avg_scale"]
                 keys += (["exp_avg_sq_row", "exp_avg_sq_col"] if factored[id(p)]
                          else ["exp_avg_sq"])
-                entries = tuple((k, st[k]) for k in keys)
+                entries = tuple((k, weakref.ref(st[k]), st[k].data_ptr()) for k in keys)
+                entries += tuple((k, weakref.ref(st[k]), None)
+                                 for k in ("step", "exp_avg_sq_step"))
             elif p.numel() > 0:
                 return None
-            row.append((call, g.dtype, p.shape, g.device, g.data_ptr() & 15 == 0, p.dtype, st,
-                        entries))
+            row.append((call, g.dtype, p.shape, p.device, g.data_ptr() & 15 == 0, p.dtype,
+                        p.data_ptr(), entries))
         expects.append(row)
-    checked: list[Tensor] = []
-    for recorded in calls:
-        for plan in recorded.plans:
-            checked += [t for t in plan.tensors()[:6] if t is not None]
-    return SteadyStep(opt, calls, expects, checked)
+    return SteadyStep(opt, calls, expects)

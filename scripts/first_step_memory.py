@@ -23,8 +23,9 @@ import torch
 MIB = 1 << 20
 
 
-def _measure(phases: list[tuple[float, str, int]], label: Callable[..., str],
-             fn: Callable[..., Any]) -> Callable[..., Any]:
+def _measure(
+    phases: list[tuple[float, str, int]], label: Callable[..., str], fn: Callable[..., Any]
+) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         torch.cuda.synchronize()
@@ -35,6 +36,7 @@ def _measure(phases: list[tuple[float, str, int]], label: Callable[..., str],
         peak = torch.cuda.max_memory_allocated()
         phases.append(((peak - base) / MIB, label(*args), peak))
         return out
+
     return wrapped
 
 
@@ -50,8 +52,11 @@ def _run(model: str) -> None:
     opt = Gefen(named, lr=1e-4)
     phases: list[tuple[float, str, int]] = []
     patches: list[tuple[Any, str, Callable[..., str]]] = [
-        (Gefen, "_select_period",
-         lambda self, p, g, name, group: f"period search {name} {list(p.shape)}"),
+        (
+            Gefen,
+            "_select_period",
+            lambda self, p, g, name, group: f"period search {name} {list(p.shape)}",
+        ),
         (Gefen, "_learn", lambda self, entries, periods: "histogram + codebook"),
         (Gefen, "_init_group", lambda self, group, entries, periods: "state creation"),
     ]
@@ -61,7 +66,8 @@ def _run(model: str) -> None:
         setattr(owner, attr, _measure(phases, label, getattr(owner, attr)))
     saved.append((optimizer, "_gefen_functional", optimizer._gefen_functional))
     optimizer._gefen_functional = _measure(
-        phases, lambda *a: f"update ({len(a[0])} tensors)", functional.gefen)
+        phases, lambda *a: f"update ({len(a[0])} tensors)", functional.gefen
+    )
     try:
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated()
@@ -76,8 +82,10 @@ def _run(model: str) -> None:
         for owner, attr, original in saved:
             setattr(owner, attr, original)
     state = (torch.cuda.memory_allocated() - start) / MIB
-    print(f"\n=== {model}: first-step peak above its start {total:.1f} MiB; state created "
-          f"{state:.1f} MiB; peak above the state {total - state:.1f} MiB")
+    print(
+        f"\n=== {model}: first-step peak above its start {total:.1f} MiB; state created "
+        f"{state:.1f} MiB; peak above the state {total - state:.1f} MiB"
+    )
     print("  peak of each phase above the memory allocated when it began, largest first:")
     for mib, what, _ in sorted(phases, reverse=True)[:12]:
         print(f"  {mib:10.1f} MiB  {what}")

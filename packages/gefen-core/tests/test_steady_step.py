@@ -174,13 +174,15 @@ def test_a_change_takes_the_full_step(fused_on_cpu: dict[str, int], change: str)
     assert fused_on_cpu == {"hit": 1, "miss": 0 if invalidated else 1}
 
 
-def test_lr_change_keeps_the_steady_step(fused_on_cpu: dict[str, int]) -> None:
+def test_lr_and_weight_decay_changes_keep_the_steady_step(
+        fused_on_cpu: dict[str, int]) -> None:
     a, b, pa, pb = _twins()
     for step in range(4):
         _grads(pa, step)
         _grads(pb, step)
         for opt in (a, b):
             opt.param_groups[1]["lr"] = 1e-3 * (step + 1)
+            opt.param_groups[0]["weight_decay"] = 0.01 * step
         a.step()
         _full_step(b)
         _assert_same(a, b, pa, pb)

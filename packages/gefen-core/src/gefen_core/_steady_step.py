@@ -13,9 +13,10 @@ anything is mutated, that a full step would build exactly the same launches:
 * every group's parameter list (identity and order) and which parameters have a gradient;
 * each gradient's layout, dtype, shape, device, contiguity and 16-byte alignment (the
   validation of §1.6 C, and what chose the launch classes);
-* each group's options other than ``lr`` (the plans are built for ``betas``, ``eps``,
-  ``maximize`` and the rounding; the path for ``fused``, ``foreach``, ``factored_v_2d``,
-  ``capturable``); ``lr`` is read every step, as in the full step;
+* each group's options other than ``lr`` and ``weight_decay`` (the plans are built for
+  ``betas``, ``eps``, ``maximize`` and the rounding; the path for ``fused``, ``foreach``,
+  ``factored_v_2d``, ``capturable``); ``lr`` and ``weight_decay`` are read every step, as in
+  the full step;
 * each stepped parameter's state entries (identity), the address of every planned tensor
   (``p.data = ...`` keeps a tensor's identity but moves its storage), the parameters' dtypes,
   devices and contiguity (a transposed square matrix keeps its address and shape);
@@ -25,10 +26,10 @@ anything is mutated, that a full step would build exactly the same launches:
 If all hold it advances the counters, computes the per-step scalars with the full step's code
 (:func:`gefen_core.functional._host_rows`) and launches the same plans and launch tables, so
 the result is bit-identical to the full step. Otherwise it returns ``False`` having changed
-nothing, and the full step runs (and records again). The record holds weak references only, so
-it never keeps replaced, deleted or offloaded state alive. An optimizer that reduces factored
-statistics (``_reduces_factored_stats``, whose ``_factored_statistics`` hook may be a
-collective on every step) is never recorded.
+nothing, and the full step runs (and records again). The record refers to parameters, state
+and the codebook only weakly, so it never keeps replaced, deleted or offloaded state alive.
+An optimizer that reduces factored statistics (``_reduces_factored_stats``, whose
+``_factored_statistics`` hook may be a collective on every step) is never recorded.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ from . import _amp, _dispatch, functional
 
 __all__ = ["SteadyStep", "build"]
 
-# The group options a full step's launches depend on, besides lr (read every step).
-_OPTION_KEYS = ("betas", "eps", "weight_decay", "maximize", "stochastic_round", "capturable",
-                "fused", "foreach", "factored_v_2d")
+# The group options the recorded plans and paths depend on (lr and weight_decay only enter
+# the per-step scalars, which are recomputed every step).
+_OPTION_KEYS = ("betas", "eps", "maximize", "stochastic_round", "capturable", "fused",
+                "foreach", "factored_v_2d")
 _STRIDED = torch.strided
 
 

@@ -424,7 +424,7 @@ def _host_rows(
 ) -> list[tuple[float, float, float, float]]:
     """Per tensor ``(lr, bc1_recip, bc2, decay)`` rounded to fp32 (``bc2`` is ``bc2_recip``
     in factored mode, ``bc2_rsqrt`` in block mode): :func:`_host_scalars` once per distinct
-    ``(step, exp_avg_sq_step, mode)``, every counter read in one go (CPU tensors in the
+    ``(step, exp_avg_sq_step, mode)``, every counter read once (CPU tensors in the
     optimizer: no device sync)."""
     from gefen_kernels._numerics import f32
 

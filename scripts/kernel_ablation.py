@@ -83,7 +83,7 @@ VARIANTS: dict[str, tuple[str, list[Patch]]] = {
     "no_cb_gather": (
         "ablation: momentum codeword from the code by arithmetic, no gather",
         [
-            (_SK, "tl.load(cb_ptr + code), g)", "code.to(tl.float32) * 0.0078125 - 1.0, g)"),
+            (_SK, "_codewords(cb_ptr, code), g)", "code.to(tl.float32) * 0.0078125 - 1.0, g)"),
         ],
     ),
     "shift_rowcol": (
@@ -105,9 +105,13 @@ VARIANTS: dict[str, tuple[str, list[Patch]]] = {
         ],
     ),
 }
+VARIANTS["load_cb"] = (
+    "candidate: momentum codeword by a load from global memory (before run 6)",
+    [(_SK, "_codewords(cb_ptr, code), g)", "tl.load(cb_ptr + code), g)")],
+)
 VARIANTS["all_ablations"] = (
     "ablation: every ablation and candidate above at once",
-    [p for name, (_, ps) in VARIANTS.items() if name != "base" for p in ps],
+    [p for name, (_, ps) in VARIANTS.items() if name not in ("base", "load_cb") for p in ps],
 )
 VARIANTS["no_gathers"] = (
     "ablation: no_search and no_cb_gather together",

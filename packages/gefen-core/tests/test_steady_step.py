@@ -116,9 +116,9 @@ def _changes() -> dict[str, Callable[[Gefen, list[torch.Tensor]], None]]:
         ps[1].grad = None
 
     def grad_dtype(opt: Gefen, ps: list[torch.Tensor]) -> None:
-        if hasattr(ps[0], "grad_dtype"):  # torch >= 2.10 checks it on assignment
-            ps[0].grad_dtype = None
-        ps[0].grad = ps[0].grad.float()
+        # Through .data: assigning an fp32 .grad to a bf16 parameter is refused by torch.
+        grad = ps[0].grad
+        grad.data = grad.data.float()
 
     def grad_strided(opt: Gefen, ps: list[torch.Tensor]) -> None:
         ps[2].grad = ps[2].grad.t().contiguous().t()

@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = [
     "TRITON_AVAILABLE",
+    "gather_supported",
     "interpret_mode",
     "jit",
     "program_elements",
@@ -49,6 +50,20 @@ except Exception as exc:  # ImportError, or a broken install raising something e
 def triton_available() -> bool:
     """Whether Triton imported successfully (it may still lack a GPU; see interpret_mode)."""
     return TRITON_AVAILABLE
+
+
+def gather_supported() -> bool:
+    """Whether ``tl.gather`` compiles in the step kernels. Triton 3.3's compiler stops on an
+    assertion (``OptimizeThreadLocality``: the gather is not warp-local) for sm_90; 3.6 (on
+    the H200) and 3.9 (``tests/compile_check.py --stage ttgir``) compile it. Versions in
+    between were not tried and take the global load instead."""
+    if triton is None:
+        return False
+    try:
+        major, minor = (int(x) for x in str(triton.__version__).split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (3, 6)
 
 
 def interpret_mode() -> bool:

@@ -30,6 +30,18 @@ def _feed(params: list[tuple[str, torch.Tensor]], step: int) -> None:
         p.grad = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
 
 
+def _assert_runs_equal(runs: list[tuple[list[tuple[str, torch.Tensor]], Gefen]]) -> None:
+    """Two runs end with the same parameters and state, bit for bit."""
+    (pa, oa), (pb, ob) = runs
+    for (name, a), (_, b) in zip(pa, pb):
+        assert torch.equal(a, b), name
+        for key, value in oa.state[a].items():
+            other = ob.state[b][key]
+            same = torch.equal(value, other) if isinstance(value, torch.Tensor) else \
+                value == other
+            assert same, f"{name} {key}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_path_is_taken_and_matches_the_reference(dtype: torch.dtype) -> None:
     import gefen_kernels
@@ -170,14 +182,7 @@ def test_grouped_launches_equal_one_launch_per_tensor(stochastic_round: bool,
             opt.step()
         runs.append((params, opt))
     assert calls and min(calls) >= 4, calls  # the first run did group its tensors
-    (pa, oa), (pb, ob) = runs
-    for (name, a), (_, b) in zip(pa, pb):
-        assert torch.equal(a, b), name
-        for key, value in oa.state[a].items():
-            other = ob.state[b][key]
-            same = torch.equal(value, other) if isinstance(value, torch.Tensor) else \
-                value == other
-            assert same, f"{name} {key}"
+    _assert_runs_equal(runs)
 
 
 @pytest.mark.parametrize("stochastic_round", [False, True])
@@ -210,11 +215,4 @@ def test_steady_steps_equal_full_steps_on_cuda(stochastic_round: bool,
             opt.zero_grad(set_to_none=True)
         runs.append((params, opt))
     assert hits == [True] * 5, hits
-    (pa, oa), (pb, ob) = runs
-    for (name, a), (_, b) in zip(pa, pb):
-        assert torch.equal(a, b), name
-        for key, value in oa.state[a].items():
-            other = ob.state[b][key]
-            same = torch.equal(value, other) if isinstance(value, torch.Tensor) else \
-                value == other
-            assert same, f"{name} {key}"
+    _assert_runs_equal(runs)

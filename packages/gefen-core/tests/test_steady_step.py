@@ -84,6 +84,17 @@ def _full_step(opt: Gefen, closure: Callable[[], Any] | None = None) -> Any:
     return opt.step(closure)
 
 
+def _step_both(a: Gefen, b: Gefen, pa: list[torch.Tensor], pb: list[torch.Tensor],
+               steps: range) -> None:
+    """Both twins over ``steps`` with the same gradients: ``a`` as it chooses, ``b`` always
+    through the full step."""
+    for step in steps:
+        _grads(pa, step)
+        _grads(pb, step)
+        a.step()
+        _full_step(b)
+
+
 def _assert_same(a: Gefen, b: Gefen, pa: list[torch.Tensor], pb: list[torch.Tensor]) -> None:
     for x, y in zip(pa, pb):
         assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
@@ -157,11 +168,7 @@ def test_a_change_takes_the_full_step(fused_on_cpu: dict[str, int], change: str)
     which then gives the same bits as an optimizer that never took the steady path (in
     particular, a replaced state tensor or parameter storage is the one updated)."""
     a, b, pa, pb = _twins()
-    for step in range(2):
-        _grads(pa, step)
-        _grads(pb, step)
-        a.step()
-        _full_step(b)
+    _step_both(a, b, pa, pb, range(2))
     assert fused_on_cpu == {"hit": 1, "miss": 0}
     _grads(pa, 2)
     _grads(pb, 2)
@@ -192,11 +199,7 @@ def test_lr_and_weight_decay_changes_keep_the_steady_step(
 def test_bad_gradient_on_a_steady_step_raises_before_any_change(
         fused_on_cpu: dict[str, int]) -> None:
     a, b, pa, pb = _twins()
-    for step in range(2):
-        _grads(pa, step)
-        _grads(pb, step)
-        a.step()
-        _full_step(b)
+    _step_both(a, b, pa, pb, range(2))
     before = copy.deepcopy(a.state_dict())
     params_before = [p.detach().clone() for p in pa]
     _grads(pa, 2)
@@ -215,11 +218,7 @@ def test_bad_gradient_on_a_steady_step_raises_before_any_change(
 
 def test_amp_overflow_on_a_steady_step_changes_nothing(fused_on_cpu: dict[str, int]) -> None:
     a, b, pa, pb = _twins()
-    for step in range(2):
-        _grads(pa, step)
-        _grads(pb, step)
-        a.step()
-        _full_step(b)
+    _step_both(a, b, pa, pb, range(2))
     _grads(pa, 2)
     _grads(pb, 2)
     for opt in (a, b):
@@ -277,11 +276,7 @@ def test_the_record_does_not_keep_replaced_state_alive(fused_on_cpu: dict[str, i
 def test_a_failing_lr_read_leaves_the_counters_as_the_full_step_does(
         fused_on_cpu: dict[str, int]) -> None:
     a, b, pa, pb = _twins()
-    for step in range(2):
-        _grads(pa, step)
-        _grads(pb, step)
-        a.step()
-        _full_step(b)
+    _step_both(a, b, pa, pb, range(2))
     _grads(pa, 2)
     _grads(pb, 2)
     for opt in (a, b):

@@ -86,13 +86,14 @@ def _full_step(opt: Gefen, closure: Callable[[], Any] | None = None) -> Any:
 
 def _step_both(a: Gefen, b: Gefen, pa: list[torch.Tensor], pb: list[torch.Tensor],
                steps: range) -> None:
-    """Both twins over ``steps`` with the same gradients: ``a`` as it chooses, ``b`` always
-    through the full step."""
+    """Both twins over ``steps`` with the same gradients, ``a`` as it chooses and ``b`` always
+    through the full step; the same bits after every step."""
     for step in steps:
         _grads(pa, step)
         _grads(pb, step)
         a.step()
         _full_step(b)
+        _assert_same(a, b, pa, pb)
 
 
 def _assert_same(a: Gefen, b: Gefen, pa: list[torch.Tensor], pb: list[torch.Tensor]) -> None:
@@ -107,17 +108,14 @@ def _assert_same(a: Gefen, b: Gefen, pa: list[torch.Tensor], pb: list[torch.Tens
             else:
                 assert sa[k] == sb[k], k
     assert a._global_step == b._global_step
+    if a._codebook is not None or b._codebook is not None:
+        assert torch.equal(a._codebook, b._codebook)
 
 
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_steady_steps_equal_full_steps(fused_on_cpu: dict[str, int], stochastic: bool) -> None:
     a, b, pa, pb = _twins(stochastic)
-    for step in range(5):
-        _grads(pa, step)
-        _grads(pb, step)
-        a.step()
-        _full_step(b)
-        _assert_same(a, b, pa, pb)
+    _step_both(a, b, pa, pb, range(5))
     assert fused_on_cpu == {"hit": 4, "miss": 0}
     assert set(a.step_paths().values()) == {"fused"}
 
@@ -242,13 +240,7 @@ def test_codebook_refresh_step_takes_the_full_step(fused_on_cpu: dict[str, int])
         named = _model()
         return Gefen(named, codebook_refresh_every=3), [p for _, p in named]
     (a, pa), (b, pb) = make(), make()
-    for step in range(5):
-        _grads(pa, step)
-        _grads(pb, step)
-        a.step()
-        _full_step(b)
-        _assert_same(a, b, pa, pb)
-        assert torch.equal(a._codebook, b._codebook)
+    _step_both(a, b, pa, pb, range(5))
     # Steps 1, 2 and 4 repeat the record; step 3 refreshes the codebook (a miss), after
     # which the new codebook's record is taken at step 4.
     assert fused_on_cpu == {"hit": 3, "miss": 1}

@@ -34,7 +34,6 @@ An optimizer that reduces factored statistics (``_reduces_factored_stats``, whos
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -42,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _amp, _dispatch, functional
+from . import _amp, _dispatch, _step_graphs, functional
 
 __all__ = ["SteadyStep", "build"]
 
@@ -104,7 +103,7 @@ class SteadyStep:
         if opt._codebook_refresh_every > 0 and opt._global_step > 0 \
                 and opt._global_step % opt._codebook_refresh_every == 0:
             return False
-        if torch.compiler.is_compiling() or os.environ.get("GEFEN_CUDA_GRAPHS", "0") == "1":
+        if torch.compiler.is_compiling() or _step_graphs.enabled():
             return False
         if len(opt.param_groups) != len(self._groups):
             return False
@@ -207,7 +206,7 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
     if (opt._codebook is None or len(stepped) != len(live) or not stepped
             or opt._reduces_factored_stats):
         return None
-    if os.environ.get("GEFEN_CUDA_GRAPHS", "0") == "1":
+    if _step_graphs.enabled():
         return None
     names = {id(p): name for _, p, _, name in stepped}
     calls: list[_Call] = []

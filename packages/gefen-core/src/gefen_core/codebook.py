@@ -285,9 +285,11 @@ class _LayeredDP:
         np.cumsum(w, out=self.tab[0, 1:m + 1])
         np.cumsum(wx, out=self.tab[1, 1:m + 1])
         np.cumsum(wx * x, out=self.tab[2, 1:m + 1])
-        self.pw, self.ps1, self.ps2 = self.tab[:3]
+        self.pref = self.tab[:3]
+        self.pw, self.ps1, self.ps2 = self.pref
         self.dbuf = (self.tab[3], self.tab[4])
         self.dprev = self.dbuf[1]
+        self.drow = 4  # the row of tab holding D[k-1]
         self.arange = np.arange(max(2 * m + 16, 1 << 12), dtype=np.int64)
         self.cols = np.arange(max(width, _DENSE_SCAN_MAX, 1), dtype=np.int64)[:, None]
         # Cached free-segment costs of each row's window: ccost[c, j] = cost(start[j] + c, j).
@@ -301,15 +303,31 @@ class _LayeredDP:
         self.argp = np.empty(2 * size + 1, np.int64)
 
     # -- candidate scans (every value is the textbook's expression, bit for bit) -------------
-    def _cost(self, pj: np.ndarray, s1j: np.ndarray, s2j: np.ndarray,
-              im1: np.ndarray) -> np.ndarray:
-        """Free cost ``s2 - s1*s1/w`` of segments ``[i..j]``; ``im1 = i - 1``."""
-        ww = pj - self.pw.take(im1)
-        s1 = s1j - self.ps1.take(im1)
-        s2 = s2j - self.ps2.take(im1)
+    def _cost(self, pj: np.ndarray, im1: np.ndarray) -> np.ndarray:
+        """Free cost ``s2 - s1*s1/w`` of segments ``[i..j]``; ``im1 = i - 1``.
+
+        ``pj`` holds the prefix sums ``W, S1, S2`` at ``j`` stacked on a leading axis of 3 and
+        broadcasts against ``im1``. One stacked gather replaces three: the calls, not the
+        elements, cost the time here.
+        """
+        t = self.pref.take(im1, axis=1)
+        np.subtract(pj, t, out=t)
+        ww, s1, s2 = t
         np.multiply(s1, s1, out=s1)
         np.divide(s1, ww, out=s1)
         return np.subtract(s2, s1, out=s2)
+
+    def _values(self, pj: np.ndarray, im1: np.ndarray) -> np.ndarray:
+        """``D[k-1][i-1] + cost(i, j)`` (as :meth:`_cost`, with ``D[k-1]`` in the same gather)."""
+        t = self.tab.take(im1, axis=1)
+        pre = t[:3]
+        np.subtract(pj, pre, out=pre)
+        ww, s1, s2 = pre
+        np.multiply(s1, s1, out=s1)
+        np.divide(s1, ww, out=s1)
+        np.subtract(s2, s1, out=s2)
+        s2 += t[self.drow]
+        return s2
 
     def _scan(self, j: np.ndarray, lo: np.ndarray,
               hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -327,8 +345,7 @@ class _LayeredDP:
         cols = self.cols[:e]
         im1 = (lo - 1) + cols
         np.minimum(im1, hi - 1, out=im1)
-        val = self._cost(self.pw.take(j), self.ps1.take(j), self.ps2.take(j), im1)
-        val += self.dprev.take(im1)
+        val = self._values(self.pref.take(j, axis=1)[:, None, :], im1)
         best = np.minimum.reduce(val, axis=0)
         # First column holding the minimum = the textbook's upward scan with strict improvement.
         pos = np.minimum.reduce(np.where(val == best, cols, e), axis=0)
@@ -347,9 +364,7 @@ class _LayeredDP:
         shift = lo - 1 - starts
         im1 = shift.repeat(cnt)
         im1 += self.arange[:total]
-        val = self._cost(self.pw.take(j).repeat(cnt), self.ps1.take(j).repeat(cnt),
-                         self.ps2.take(j).repeat(cnt), im1)
-        val += self.dprev.take(im1)
+        val = self._values(self.pref.take(j, axis=1).repeat(cnt, axis=1), im1)
         best = np.minimum.reduceat(val, starts)
         # First position holding each row's minimum (every row has one; NaN never equals it).
         hit = (val == best.repeat(cnt)).nonzero()[0]
@@ -407,7 +422,7 @@ class _LayeredDP:
             jm1 = self.arange[k - 1:k - 1 + rows]
             past = im1 > jm1
             np.minimum(im1, jm1, out=im1)
-            cost = self._cost(self.pw[sl], self.ps1[sl], self.ps2[sl], im1)
+            cost = self._cost(self.pref[:, None, sl], im1)
             cost[past] = np.inf
             self.ccost[:, sl] = cost
             start[:] = lower
@@ -418,7 +433,7 @@ class _LayeredDP:
             jm1 = jj - 1
             past = im1 > jm1
             np.minimum(im1, jm1, out=im1)
-            cost = self._cost(self.pw.take(jj), self.ps1.take(jj), self.ps2.take(jj), im1)
+            cost = self._cost(self.pref.take(jj, axis=1)[:, None, :], im1)
             cost[past] = np.inf
             self.ccost[:, jj] = cost
             start[moved] = lo
@@ -512,7 +527,7 @@ class _LayeredDP:
                 self._layer_dc(k, lower, best, arg)
             else:
                 self._layer_windows(k, ar + k, lower, best, arg)
-            self.dprev = nxt
+            self.dprev, self.drow = nxt, 3 + (k & 1)
         dprev = self.dprev
         # Layer K: the single row j = M, last segment represented by +1, scanned in full.
         i = np.arange(kk, m + 1)

@@ -117,10 +117,20 @@ def _count_ties(arg, tie, m: int, k: int) -> int:
     return n
 
 
+def _optimum_bound(self) -> float:
+    """The tightest valid bound: the optimum itself (from an unpruned solve), plus slack."""
+    free = cb._LayeredDP(self.x, self.w, self.k)
+    free._upper_bound = lambda: np.inf
+    _, cost = free.solve()
+    return cost * (1 + 1e-12) + 1e-12
+
+
 # Solver configurations: default routing; divide and conquer for every layer; windows from
 # layer 3 on; windows of one cached candidate with no repair span, so most rows fail the
 # certification and go through the repair loop one row per round; every scan in the ragged
-# layout; every scan in the dense layout.
+# layout; every scan in the dense layout; no row dropped (infinite bound); the optimum itself
+# as the bound, so every row that can be dropped is; rows computed one past the last kept row
+# of the layer before, so layers are often redone wider (windows from layer 3 on).
 _MODES = {
     "default": {},
     "dc": {"_WINDOW_FROM": 10**9},
@@ -128,13 +138,17 @@ _MODES = {
     "windows_repairs": {"_WINDOW_FROM": 3, "_DENSE_WIDTH": 1, "_REPAIR_SPAN": 1},
     "ragged_scans": {"_DENSE_SCAN_MAX": 1},
     "dense_scans": {"_DENSE_SCAN_MAX": 10**6, "_DENSE_WIDTH": 2},
+    "unpruned": {"_LayeredDP._upper_bound": lambda self: np.inf},
+    "tightest_bound": {"_LayeredDP._upper_bound": _optimum_bound},
+    "redo_wider": {"_PRUNE_EXTEND": 1, "_WINDOW_FROM": 3},
 }
 
 
 @pytest.fixture(params=list(_MODES))
 def mode(request, monkeypatch):
     for name, value in _MODES[request.param].items():
-        monkeypatch.setattr(cb, name, value)
+        owner, _, attr = name.rpartition(".")
+        monkeypatch.setattr(getattr(cb, owner) if owner else cb, attr, value)
     return request.param
 
 
@@ -389,6 +403,67 @@ def test_realistic_histogram_codebook_properties_and_cost():
     wts = counts[active].double()
     err_uniform = float((wts * (pts[:, None] - uniform[None]).pow(2).min(dim=1).values).sum())
     assert cost <= err_uniform
+
+
+def _benchmark_like_instance():
+    """Points and counts of a realistic 4096-bin histogram (as ``optimal_codebook`` feeds)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2048, 256, generator=g) * torch.exp(torch.randn(2048, 1, generator=g))
+    z = x / x.abs().amax(dim=1, keepdim=True)
+    idx = torch.floor((z + 1) * 2048).clamp_(0, 4095).long()
+    counts = torch.bincount(idx.view(-1), minlength=HISTOGRAM_BINS).numpy()
+    active = np.flatnonzero(counts)
+    centres = histogram_bin_centers().numpy().astype(np.float64)
+    return centres[active], counts[active].astype(np.float64)
+
+
+def test_rows_above_the_bound_are_dropped_without_changing_the_result(monkeypatch):
+    x, w = _benchmark_like_instance()
+    rows: list[int] = []
+    windows = cb._LayeredDP._layer_windows
+    dc = cb._LayeredDP._layer_dc
+
+    def count_windows(self, k, j, lower, *args):
+        rows.append(lower.size)
+        return windows(self, k, j, lower, *args)
+
+    def count_dc(self, k, lower, *args):
+        rows.append(lower.size)
+        return dc(self, k, lower, *args)
+
+    monkeypatch.setattr(cb._LayeredDP, "_layer_windows", count_windows)
+    monkeypatch.setattr(cb._LayeredDP, "_layer_dc", count_dc)
+    pruned = cb._LayeredDP(x, w, NUM_CODEWORDS)
+    c, cost = pruned.solve()
+    full = x.size - NUM_CODEWORDS + 1
+    # Layers 2..K-1, some redone wider when their kept rows outgrew the rows computed.
+    assert len(rows) >= NUM_CODEWORDS - 2
+    assert max(rows) <= full
+    # The early layers compute a small part of their rows; the run as a whole drops a good
+    # share of them.
+    assert max(rows[:10]) < full // 2
+    assert sum(rows) < 0.8 * full * len(rows)
+    free = cb._LayeredDP(x, w, NUM_CODEWORDS)
+    free._upper_bound = lambda: np.inf
+    ref_c, ref_cost = free.solve()
+    assert np.array_equal(c, ref_c) and cost == ref_cost
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_upper_bound_is_a_feasible_cost_at_least_the_optimum(seed):
+    rng = np.random.default_rng(seed)
+    centres = histogram_bin_centers().numpy().astype(np.float64)
+    m = int(rng.integers(NUM_CODEWORDS, 1200))
+    bins = np.sort(rng.choice(HISTOGRAM_BINS, size=m, replace=False))
+    w = rng.geometric(0.02, size=m).astype(np.float64)
+    w[rng.integers(0, m, size=3)] *= 1e5  # a few heavy bins
+    for k in (2, 3, 17, NUM_CODEWORDS, m):
+        solver = cb._LayeredDP(centres[bins], w, k)
+        bound = solver._upper_bound()
+        free = cb._LayeredDP(centres[bins], w, k)
+        free._upper_bound = lambda: np.inf
+        _, optimum = free.solve()
+        assert np.isfinite(bound) and bound >= optimum
 
 
 def test_two_separated_clusters_are_recovered_exactly():

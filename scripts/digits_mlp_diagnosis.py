@@ -1,6 +1,6 @@
 """Which part of Gefen makes the digits MLP (issue 3's CPU bar) train worse than AdamW.
 
-    PYTHONPATH=scripts python scripts/digits_mlp_diagnosis.py --out docs/results/cpu-digits-mlp-diagnosis
+    python scripts/digits_mlp_diagnosis.py --out docs/results/cpu-digits-mlp-diagnosis
 
 The configuration is ``gefen-bench train``'s default ``digits-mlp`` (preset ``cpu-default``:
 64-128-128-10 ReLU MLP, 20 epochs of batch 64, warm-up + cosine, weight decay 0.01), scored on
@@ -52,14 +52,27 @@ def _register() -> None:
     """Registry entries for the period-1 configurations (this script only)."""
     for name, options in _EXTRA.items():
         registry.REGISTRY[name] = OptimizerSpec(
-            name, f"gefen_core.Gefen({options})", 0.6,
+            name,
+            f"gefen_core.Gefen({options})",
+            0.6,
             lambda n, _o=options, **kw: registry._build_gefen(n, **_o, **kw),
-            requires="gefen-core", min_bytes_per_param=8.0, options=options)
+            requires="gefen-core",
+            min_bytes_per_param=8.0,
+            options=options,
+        )
 
 
 def _losses(name: str, lr: float, config: dict[str, Any], seeds: list[int]) -> list[float]:
-    job = {"optimizer": name, "lr": lr, "config": config, "device": "cpu",
-           "eval_split": "val", "seeds": seeds, "task": "digits-mlp", "label": name}
+    job = {
+        "optimizer": name,
+        "lr": lr,
+        "config": config,
+        "device": "cpu",
+        "eval_split": "val",
+        "seeds": seeds,
+        "task": "digits-mlp",
+        "label": name,
+    }
     result = run_digits_job(job, lambda event: None)
     return [float(r["final_eval_loss"]) for r in result["runs"]]
 
@@ -76,8 +89,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lrs", default="6e-3,1e-2", help="peak LRs, comma-separated")
     parser.add_argument("--seeds", type=int, default=10, help="seeds 0..N-1 (default 10)")
-    parser.add_argument("--optimizers", default="gefen,gefen-blockv,gefen-p1-elementv,"
-                        "gefen-p1-factored")
+    parser.add_argument(
+        "--optimizers", default="gefen,gefen-blockv,gefen-p1-elementv,gefen-p1-factored"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -95,23 +109,37 @@ def main() -> int:
         ref_up = _losses("adamw", lr / 0.6, config, seeds)
         mean, se = _paired(ref_up, ref)
         row[f"adamw@{lr / 0.6:g}"] = {"val_loss": ref_up, "vs_adamw_same_lr": [mean, se]}
-        print(f"  adamw at {lr / 0.6:g}: {sum(ref_up) / len(ref_up):.4f} "
-              f"({100 * mean:+.1f}% +- {100 * se:.1f} against adamw at {lr:g})", flush=True)
+        print(
+            f"  adamw at {lr / 0.6:g}: {sum(ref_up) / len(ref_up):.4f} "
+            f"({100 * mean:+.1f}% +- {100 * se:.1f} against adamw at {lr:g})",
+            flush=True,
+        )
         for name in names:
             losses = _losses(name, lr, config, seeds)
             mean, se = _paired(losses, ref)
             row[name] = {"val_loss": losses, "vs_adamw_same_lr": [mean, se]}
-            print(f"  {name:18s} {sum(losses) / len(losses):.4f} ({100 * mean:+.1f}% +- "
-                  f"{100 * se:.1f} against adamw at the same lr)", flush=True)
+            print(
+                f"  {name:18s} {sum(losses) / len(losses):.4f} ({100 * mean:+.1f}% +- "
+                f"{100 * se:.1f} against adamw at the same lr)",
+                flush=True,
+            )
         results[f"{lr:g}"] = row
-    meta = {"command": " ".join(["python", *sys.argv]), "seeds": seeds, "split": "val",
-            "config": config, "torch": torch.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "seconds": round(time.perf_counter() - start, 1),
-            "relative": "mean and standard error of per-seed loss / adamw's loss - 1"}
+    meta = {
+        "command": " ".join(["python", *sys.argv]),
+        "seeds": seeds,
+        "split": "val",
+        "config": config,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "seconds": round(time.perf_counter() - start, 1),
+        "relative": "mean and standard error of per-seed loss / adamw's loss - 1",
+    }
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": results},
-                                                          indent=1) + "\n")
+        (args.out / "results.json").write_text(
+            json.dumps({"meta": meta, "results": results}, indent=1) + "\n"
+        )
     return 0
 
 

@@ -109,9 +109,55 @@ VARIANTS["load_cb"] = (
     "candidate: momentum codeword by a load from global memory (before run 6)",
     [(_SK, "_codewords(cb_ptr, code), g)", "tl.load(cb_ptr + code), g)")],
 )
+# The nearest-rounding lookup (run 2026-11-30): production reads only the decision table's
+# head word and gathers c[q] from the register codebook; pair_load is the code before it.
+_HEAD_GATHER = (
+    "        head = tl.load(table_ptr + 2 * b)\n"
+    "        up = x > _low_float(head)\n"
+    "        codes = (head >> 32).to(tl.int32)\n"
+    "        q = tl.where(up, (codes >> 8) & 255, codes & 255)\n"
+    "        if GATHER:\n"
+    "            cq = tl_codewords(cb_ptr, q)\n"
+    "        else:\n"
+    "            pair = tl.load(table_ptr + (2 * b + 1))\n"
+    "            cq = tl.where(up, _high_float(pair), _low_float(pair))\n"
+)
+VARIANTS["pair_load"] = (
+    "candidate: codeword from the decision table's pair word (production before 2026-11-30)",
+    [
+        (
+            _TH,
+            _HEAD_GATHER,
+            "        head = tl.load(table_ptr + 2 * b)\n"
+            "        pair = tl.load(table_ptr + (2 * b + 1))\n"
+            "        up = x > _low_float(head)\n"
+            "        codes = (head >> 32).to(tl.int32)\n"
+            "        q = tl.where(up, (codes >> 8) & 255, codes & 255)\n"
+            "        cq = tl.where(up, _high_float(pair), _low_float(pair))\n",
+        ),
+    ],
+)
+VARIANTS["head_packed"] = (
+    "candidate: production with the head words packed together (32 KiB, not 64 KiB)",
+    [
+        (_TH, "head = tl.load(table_ptr + 2 * b)", "head = tl.load(table_ptr + b)"),
+        (_TH, "pair = tl.load(table_ptr + (2 * b + 1))", "pair = tl.load(table_ptr + (4096 + b))"),
+    ],
+)
+# Variants that take the decision table in another layout: variant -> (table -> its table).
+TABLE_LAYOUTS: dict[str, Any] = {
+    # heads [4096] then pairs [4096] (the pair of bucket b at 4096 + b).
+    "head_packed": lambda t: t.view(-1, 2).t().contiguous().reshape(-1),
+}
+VARIANTS["base_again"] = ("candidate: production timed a second time (the spread)", [])
 VARIANTS["all_ablations"] = (
     "ablation: every ablation and candidate above at once",
-    [p for name, (_, ps) in VARIANTS.items() if name not in ("base", "load_cb") for p in ps],
+    [
+        p
+        for name, (_, ps) in VARIANTS.items()
+        if name not in ("base", "load_cb", "pair_load", "head_packed")
+        for p in ps
+    ],
 )
 VARIANTS["no_gathers"] = (
     "ablation: no_search and no_cb_gather together",
@@ -143,7 +189,10 @@ def _load_variant(name: str, patches: list[Patch]) -> Any:
     texts[_SK] = texts[_SK].replace("from ._triton_helpers import", f"from .{th_mod} import")
     (src_dir / f"{th_mod}.py").write_text(texts[_TH])
     (src_dir / f"{sk_mod}.py").write_text(texts[_SK])
-    return importlib.import_module(f"gefen_kernels.ops.{sk_mod}")
+    module = importlib.import_module(f"gefen_kernels.ops.{sk_mod}")
+    if name in TABLE_LAYOUTS:
+        module._ABL_TABLE_LAYOUT = TABLE_LAYOUTS[name]
+    return module
 
 
 def _cleanup() -> None:
@@ -193,6 +242,7 @@ class Case:
             )
         self.factored = factored
         self.period = period
+        self._tables: dict[Any, torch.Tensor] = {}
 
     def state(self) -> list[torch.Tensor]:
         return [t for t in (self.p, self.codes, self.scale, self.sq) if t is not None]
@@ -227,7 +277,14 @@ class Case:
         )
 
     def launch(self, module: Any) -> None:
-        module._step_tile_kernel[self.plan._grid](*self.args(), 0, **self.plan._consts)
+        args = self.args()
+        layout = getattr(module, "_ABL_TABLE_LAYOUT", None)
+        if layout is not None:  # the variant's decision-table layout (TABLE_LAYOUTS)
+            assert self.plan._consts["STEPS"] == -1, "a layout applies to the decision table"
+            if layout not in self._tables:
+                self._tables[layout] = layout(self.plan._table)
+            args = (*args[:9], self._tables[layout], *args[10:])
+        module._step_tile_kernel[self.plan._grid](*args, 0, **self.plan._consts)
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

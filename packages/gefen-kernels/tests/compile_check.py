@@ -107,6 +107,12 @@ class Launch:
                 tuple(sorted((k, repr(v)) for k, v in self.attrs.items())),
                 tuple(sorted(self.options.items())))
 
+    def constexpr(self, name: str) -> Any:
+        """The value of constexpr argument ``name`` (``None`` where the kernel has none such);
+        :attr:`constexprs` is keyed by argument position."""
+        names = list(self.kernel.arg_names)
+        return self.constexprs.get((names.index(name),)) if name in names else None
+
     def describe(self) -> str:
         const = {self.kernel.arg_names[k[0]]: v for k, v in self.constexprs.items()}
         return f"{self.kernel.__name__} {const} {self.options}"
@@ -528,7 +534,7 @@ def compare_group_layouts() -> int:
         single = record_launches(iter([functools.partial(one, shape, period)]))
         grouped = {launch.kernel.__name__: launch for launch in record_launches(iter(
             [functools.partial(_group_launch, [(shape, period)], torch.bfloat16, torch.bfloat16,
-                               cb)])) if not launch.constexprs.get("MAXIMIZE")}
+                               cb)])) if not launch.constexpr("MAXIMIZE")}
         for launch in single:
             name = launch.kernel.__name__
             twin = grouped[_LAYOUT_PAIRS[name]]

@@ -7,14 +7,18 @@ each bucket is an interval of fp32 values on which the nearest code is a step fu
 learned codebook keeps neighbouring codewords at least about one bucket apart, so on each
 bucket that step function jumps at most once. The table stores, for every bucket ``b``,
 the code below and above that jump and the largest fp32 value that still takes the lower
-code. The kernels then need one 16-byte lookup, one comparison and two selects instead of
-a search and a second gather, with no dependent loads (``STEPS = DIRECT_STEPS``):
+code. The kernels then need one lookup, one comparison and a select instead of a search
+and a second gather, with no dependent loads (``STEPS = DIRECT_STEPS``):
 
-* word ``2b``: bits 0-31 the fp32 pattern of the threshold ``t`` (``+inf`` where the bucket
-  has no jump), bits 32-39 ``q_lo``, bits 40-47 ``q_hi``;
-* word ``2b + 1``: the fp32 patterns of ``c[q_lo]`` (low) and ``c[q_hi]`` (high).
+* word ``2b`` (the head word): bits 0-31 the fp32 pattern of the threshold ``t`` (``+inf``
+  where the bucket has no jump), bits 32-39 ``q_lo``, bits 40-47 ``q_hi``;
+* word ``2b + 1`` (the pair word): the fp32 patterns of ``c[q_lo]`` (low) and ``c[q_hi]``
+  (high).
 
-``q = q_hi if x > t else q_lo``, and its codeword likewise. NaN lands in bucket 0, where
+``q = q_hi if x > t else q_lo``, and its codeword likewise. Where Triton compiles
+``tl.gather``, the kernels read only the head word and gather ``c[q]`` from a register copy
+of the codebook (:func:`gefen_kernels.ops._triton_helpers.tl_quantize_nearest`); older
+Triton reads the pair word too. NaN lands in bucket 0, where
 ``x > t`` is false and ``q_lo = 0`` (the nearest code of ``-inf``), which is the rule.
 
 Every entry is computed from the reference itself: each bucket's end points come from a

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import f32, to_signed64
-from .._triton import gather_supported, jit, program_elements, require_triton, tl, triton
+from .._triton import jit, program_elements, require_triton, tl, triton
 from ._dispatch import check_device_for_triton
 from ._search_table import kernel_table
 from ._step_ref import denominator
@@ -49,6 +49,7 @@ from ._triton_helpers import (
     tl_quantize_stochastic,
     tl_round_to,
 )
+from ._triton_helpers import tl_codewords as _codewords  # c[code] (a register gather)
 
 TILE_MAX_PERIOD = 4096  # tile route up to this period
 TILE_ELEMENTS = 2048  # elements per program in the tile route (at least one whole block)
@@ -127,32 +128,6 @@ def _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE: tl.co
     code = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
     m = tl_momentum_ema(b1, omb1, s_old, _codewords(cb_ptr, code), g)
     return g, m
-
-
-# Whether _codewords gathers from registers (the Triton versions that compile it).
-_GATHER = tl.constexpr(gather_supported()) if tl is not None else False
-
-
-@jit
-def _codewords(cb_ptr, code):  # type: ignore[no-untyped-def]
-    """``c[code]`` for an int32 ``code`` tensor (1-D or 2-D, values in ``[0, 255]``).
-
-    Where Triton can compile it (:func:`gefen_kernels._triton.gather_supported`), a gather
-    from a register copy of the 256 codewords instead of from global memory: the same values,
-    5-18% off the tile kernel in block mode and 4-9% in factored mode on the H200
-    (``docs/results/h200-2026-11-29-run6/ablation_codewords.txt``)."""
-    if _GATHER:
-        cb = tl.load(cb_ptr + tl.arange(0, 256))
-        if len(code.shape) == 2:
-            # Triton 3.6 cannot lower a 2-D gather from a broadcast [rows, 256] source (the
-            # assertion gather_supported names); the flattened gather compiles.
-            flat = tl.reshape(code, (code.shape[0] * code.shape[1],))
-            out = tl.reshape(tl.gather(cb, flat, 0), (code.shape[0], code.shape[1]))
-        else:
-            out = tl.gather(cb, code, 0)
-    else:
-        out = tl.load(cb_ptr + code)
-    return out
 
 
 @jit

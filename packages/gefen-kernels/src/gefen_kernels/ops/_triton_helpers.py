@@ -12,7 +12,7 @@ Importing this module never needs Triton: without it the helpers are stubs.
 
 from __future__ import annotations
 
-from .._triton import interpret_mode, jit, tl
+from .._triton import gather_supported, interpret_mode, jit, tl
 
 # Launch options every Gefen kernel uses (see the module docstring).
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
@@ -20,6 +20,8 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 PAIRS_OFFSET = tl.constexpr(4097) if tl is not None else 4097
 # Whether kernels run in Triton's interpreter (fixed at import, as Triton itself does).
 INTERPRETED = tl.constexpr(interpret_mode()) if tl is not None else interpret_mode()
+# Whether tl_codewords gathers from registers (the Triton versions that compile it).
+GATHER = tl.constexpr(gather_supported()) if tl is not None else False
 
 
 @jit
@@ -27,6 +29,29 @@ def tl_momentum_ema(beta1, one_minus_beta1, scale, codeword, grad):
     """m = f32(f32(beta1 * f32(scale * codeword)) + f32((1 - beta1) * grad)) (fp32)."""
     dequant = scale * codeword
     return beta1 * dequant + one_minus_beta1 * grad
+
+
+@jit
+def tl_codewords(cb_ptr, code):  # type: ignore[no-untyped-def]
+    """``c[code]`` for an int32 ``code`` tensor (1-D or 2-D, values in ``[0, 255]``).
+
+    Where Triton can compile it (:func:`gefen_kernels._triton.gather_supported`), a gather
+    from a register copy of the 256 codewords instead of from global memory: the same values,
+    5-18% off the step tile kernel in block mode and 4-9% in factored mode on the H200 when it
+    replaced the momentum's codeword load (``docs/results/h200-2026-11-29-run6/
+    ablation_codewords.txt``)."""
+    if GATHER:
+        cb = tl.load(cb_ptr + tl.arange(0, 256))
+        if len(code.shape) == 2:
+            # Triton 3.6 cannot lower a 2-D gather from a broadcast [rows, 256] source (the
+            # assertion gather_supported names); the flattened gather compiles.
+            flat = tl.reshape(code, (code.shape[0] * code.shape[1],))
+            out = tl.reshape(tl.gather(cb, flat, 0), (code.shape[0], code.shape[1]))
+        else:
+            out = tl.gather(cb, code, 0)
+    else:
+        out = tl.load(cb_ptr + code)
+    return out
 
 
 @jit
@@ -108,21 +133,33 @@ def tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
 @jit
 def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
     """Nearest codeword of fp32 ``x``: ``(index (int32), codeword (fp32))``; ties to the lower
-    index; NaN -> 0. The codeword is ``c[index]`` (already loaded: no second gather).
+    index; NaN -> 0. The codeword is ``c[index]``, bit for bit.
 
     ``STEPS < 0``: ``table_ptr`` is the decision table of
-    :mod:`gefen_kernels.ops._decision_table` (two adjacent int64 words per bucket, loaded
-    independently of each other; NaN falls in bucket 0, whose lower code is 0). Otherwise the
-    bracket search of :func:`tl_codeword_bracket`.
+    :mod:`gefen_kernels.ops._decision_table` (NaN falls in bucket 0, whose lower code is 0).
+    The code comes from the bucket's head word. Where :data:`GATHER` holds, the codeword is
+    then gathered from a register copy of the codebook (:func:`tl_codewords`, as for the
+    momentum's old codeword) instead of read from the pair word: one random 8-byte load per
+    element instead of two, the same ``c[q]`` bits. On the H200 (Triton 3.6) this took the
+    step tile kernel (bf16 [8192, 8192]) from 0.569 to 0.409 ms (factored, P = 2048), 0.541 to
+    0.395 (factored, P = 256), 0.424 to 0.323 (block, P = 2048) and 0.392 to 0.288 ms (block,
+    P = 256), with bit-identical codes, scales and parameters
+    (``docs/results/h200-2026-11-30-lookup/ablation_lookup.txt``, variant ``pair_load``
+    against ``base``). Without the gather the pair word is loaded as before.
+
+    ``STEPS >= 0``: the bracket search of :func:`tl_codeword_bracket`.
     """
     if STEPS < 0:
         b = _bucket(x)
         head = tl.load(table_ptr + 2 * b)
-        pair = tl.load(table_ptr + (2 * b + 1))
         up = x > _low_float(head)
         codes = (head >> 32).to(tl.int32)
         q = tl.where(up, (codes >> 8) & 255, codes & 255)
-        cq = tl.where(up, _high_float(pair), _low_float(pair))
+        if GATHER:
+            cq = tl_codewords(cb_ptr, q)
+        else:
+            pair = tl.load(table_ptr + (2 * b + 1))
+            cq = tl.where(up, _high_float(pair), _low_float(pair))
     else:
         left, right, c_left, c_right = tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS)
         pick_left = tl.abs(x - c_left) <= tl.abs(x - c_right)

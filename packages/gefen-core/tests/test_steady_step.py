@@ -9,6 +9,7 @@ each also checks which path the other one took, so a test cannot pass by never t
 from __future__ import annotations
 
 import contextlib
+import io
 import copy
 import gc
 import weakref
@@ -302,3 +303,26 @@ def test_an_optimizer_reducing_factored_statistics_takes_the_full_step(
         opt.step()
     assert calls == [0, 0, 0] and opt._steady is None
     assert fused_on_cpu == {"hit": 0, "miss": 0}
+
+
+def test_counters_step_as_one_buffer_and_checkpoint_as_separate_counters(
+        fused_on_cpu: dict[str, int]) -> None:
+    """The record moves each call's step counters into one buffer (one ``add_`` per steady
+    step); a checkpoint of them loads like any other, and both twins go on equal."""
+    a, b, pa, pb = _twins()
+    _step_both(a, b, pa, pb, range(3))
+    assert a._steady is not None
+    buffers = [call.counters() for call in a._steady._calls]
+    assert buffers and all(buf is not None for buf in buffers)
+    stepped = [p for p in pa if p in a.state]
+    counters = [a.state[p][k] for p in stepped for k in ("step", "exp_avg_sq_step")]
+    assert all(any(t._base is buf for buf in buffers) for t in counters)
+    assert all(t.item() == 3.0 and t.dtype == torch.float32 and t.dim() == 0 for t in counters)
+    saved = io.BytesIO()
+    torch.save(a.state_dict(), saved)
+    saved.seek(0)
+    b.load_state_dict(torch.load(saved, weights_only=True))
+    hits = fused_on_cpu["hit"]
+    _step_both(a, b, pa, pb, range(3, 6))
+    assert fused_on_cpu["hit"] == hits + 3
+    assert all(a.state[p]["step"].item() == 6.0 for p in stepped)

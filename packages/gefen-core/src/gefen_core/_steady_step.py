@@ -24,8 +24,17 @@ anything is mutated, that a full step would build exactly the same launches:
   graph replay requested (``GEFEN_CUDA_GRAPHS``), not inside ``torch.compile``.
 
 If all hold it advances the counters, computes the per-step scalars with the full step's code
-(:func:`gefen_core.functional._host_rows`) and launches the same plans and launch tables, so
-the result is bit-identical to the full step. Otherwise it returns ``False`` having changed
+(:func:`gefen_core.functional._host_rows_from`) and launches the same plans and launch tables,
+so the result is bit-identical to the full step.
+
+The step counters (``state["step"]`` and ``state["exp_avg_sq_step"]``, fp32 0-d CPU tensors as
+in ``torch.optim``) are separate tensors, and adding one to ~300 of them costs ~300 dispatches
+(0.46 ms on the 2-core CPU machine, about 1.1 ms on the H200 host, half the GPT-2-shaped step's
+host time). So :func:`build` moves each launch call's counters into one fp32 buffer: every
+``state["step"]`` becomes a 0-d view of it, with its value. A steady step then advances them
+all with one ``add_`` and reads them with one ``tolist``. The views are ordinary tensors to
+every other reader (``state_dict``, ``torch.save``, ``torch.distributed.checkpoint``, the full
+step's ``_foreach_add_``). Otherwise it returns ``False`` having changed
 nothing, and the full step runs (and records again). The record refers to parameters, state
 and the codebook only weakly, so it never keeps replaced, deleted or offloaded state alive.
 An optimizer that reduces factored statistics (``_reduces_factored_stats``, whose
@@ -60,7 +69,7 @@ class _Call:
     """One ``functional.gefen`` call of the full step: one group's tensors on one device."""
 
     __slots__ = ("group", "device", "factored", "salts", "plans", "groups", "codebook",
-                 "codebook_version")
+                 "codebook_version", "counters")
 
     def __init__(self, group: dict[str, Any], lists: dict[str, list[Any]],
                  salts: list[int], plans: list[Any], groups: Any) -> None:
@@ -73,6 +82,9 @@ class _Call:
         codebook: Tensor = lists["codebooks"][0]
         self.codebook = weakref.ref(codebook)
         self.codebook_version = codebook._version
+        # The buffer every counter of this call is a view of (`_rehome_counters`), weakly:
+        # the views keep it alive as long as the state holds them.
+        self.counters: weakref.ref[Tensor] | None = None
 
 
 class SteadyStep:
@@ -171,10 +183,21 @@ class SteadyStep:
             # As in the full step: the group's lr is read before its counters move.
             lr = functional._host_lr(opt._host_lr(group["lr"]))
             with torch.cuda.device(call.device):
-                torch._foreach_add_(steps[i] + sq_steps[i], 1)
-                host = functional._host_rows(steps[i], sq_steps[i], call.factored, lr=lr,
-                                             beta1=beta1, beta2=beta2,
-                                             weight_decay=group["weight_decay"])
+                buffer = call.counters() if call.counters is not None else None
+                if buffer is not None:
+                    # Every counter stepped here is a view of `buffer`, in this order (their
+                    # identity was checked above), and nothing else is.
+                    buffer.add_(1)
+                    values = buffer.tolist()
+                    n = len(steps[i])
+                    host = functional._host_rows_from(
+                        values[:n], values[n:], call.factored, lr=lr, beta1=beta1,
+                        beta2=beta2, weight_decay=group["weight_decay"])
+                else:
+                    torch._foreach_add_(steps[i] + sq_steps[i], 1)
+                    host = functional._host_rows(steps[i], sq_steps[i], call.factored, lr=lr,
+                                                 beta1=beta1, beta2=beta2,
+                                                 weight_decay=group["weight_decay"])
                 if call.groups is not None:
                     call.groups.launch(
                         grads[i], host,
@@ -237,6 +260,13 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
             calls.append(_Call(group, lists, [name_salt(names[id(p)]) for p in params], plans,
                                groups))
     graded = {id(p): g for _, p, g, _ in live}
+    stepped_states: list[list[dict[str, Any]]] = [[] for _ in calls]
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and call_of.get(id(p), -1) >= 0:
+                stepped_states[call_of[id(p)]].append(opt.state[p])
+    for call, states in zip(calls, stepped_states):
+        call.counters = _rehome_counters(states)
     expects: list[list[tuple[Any, ...] | None]] = []
     for group in opt.param_groups:
         row: list[tuple[Any, ...] | None] = []
@@ -266,3 +296,20 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
                         p.data_ptr(), entries))
         expects.append(row)
     return SteadyStep(opt, calls, expects)
+
+
+def _rehome_counters(states: Sequence[dict[str, Any]]) -> weakref.ref[Tensor] | None:
+    """Make the counters of ``states`` 0-d views of one new fp32 CPU buffer (``step`` of
+    every state, then ``exp_avg_sq_step`` of every state, in ``states``' order), with their
+    values; a weak reference to it. ``None`` (nothing changed) unless every counter is an fp32
+    0-d CPU tensor."""
+    old = [st["step"] for st in states] + [st["exp_avg_sq_step"] for st in states]
+    if not old or any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 0
+                      or t.requires_grad for t in old):
+        return None
+    buffer = torch.stack(old)
+    n = len(states)
+    for i, st in enumerate(states):
+        st["step"] = buffer[i]
+        st["exp_avg_sq_step"] = buffer[n + i]
+    return weakref.ref(buffer)

@@ -426,10 +426,18 @@ def _host_rows(
     in factored mode, ``bc2_rsqrt`` in block mode): :func:`_host_scalars` once per distinct
     ``(step, exp_avg_sq_step, mode)``, every counter read once (CPU tensors in the
     optimizer: no device sync)."""
+    return _host_rows_from(_read_counters(state_steps), _read_counters(exp_avg_sq_steps),
+                           factored_flags, lr=lr, beta1=beta1, beta2=beta2,
+                           weight_decay=weight_decay)
+
+
+def _host_rows_from(
+    ts: Sequence[float], tvs: Sequence[float], factored_flags: Sequence[bool], *, lr: float,
+    beta1: float, beta2: float, weight_decay: float,
+) -> list[tuple[float, float, float, float]]:
+    """:func:`_host_rows` from the counters' values (``step``, ``exp_avg_sq_step``)."""
     from gefen_kernels._numerics import f32
 
-    ts = _read_counters(state_steps)
-    tvs = _read_counters(exp_avg_sq_steps)
     cache: dict[tuple[float, float, bool], tuple[float, float, float, float]] = {}
     host = []
     for t, tv, fac in zip(ts, tvs, factored_flags):

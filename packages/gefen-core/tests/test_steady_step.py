@@ -9,9 +9,9 @@ each also checks which path the other one took, so a test cannot pass by never t
 from __future__ import annotations
 
 import contextlib
-import io
 import copy
 import gc
+import io
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any

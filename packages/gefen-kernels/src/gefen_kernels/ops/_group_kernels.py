@@ -50,17 +50,19 @@ META = (
     "ticket",  # index into ticket_ptr
     "stats_first", "finalize_first",  # first programs in the statistics / finalize launches
     "inv_c", "inv_r",  # fp32 bits of f32(1/C), f32(1/R)
+    "stats_items",  # work items per statistics program (factored_step.stats_items_per_program)
 )
 META_COLS = len(META)
 # The kernels index the table with literals (a jit function cannot read a Python dict).
-assert META_COLS == 27 and META.index("t") == 5 and META.index("tile_first") == 11
+assert META_COLS == 28 and META.index("t") == 5 and META.index("tile_first") == 11
 assert META.index("nrows") == 12 and META.index("region") == 18
 assert META.index("stats_first") == 23 and META.index("inv_r") == 26
+assert META.index("stats_items") == 27
 
 
 @jit
 def _meta_row(meta_ptr, prog_ptr, pid):  # type: ignore[no-untyped-def]
-    return meta_ptr + tl.load(prog_ptr + pid).to(tl.int64) * 27
+    return meta_ptr + tl.load(prog_ptr + pid).to(tl.int64) * 28
 
 
 @jit
@@ -139,8 +141,11 @@ def _group_stats_kernel(meta_ptr, prog_ptr, gptr_ptr, g_base, scratch_ptr, ticke
                         SPEC_NROWS: tl.constexpr, SPEC_NCOLS: tl.constexpr,
                         SPEC_TILES: tl.constexpr, SPEC_SPLITS: tl.constexpr,
                         SPEC_TPS: tl.constexpr, SPEC_RPP: tl.constexpr,
-                        COL_PART_ALIGNED: tl.constexpr):
-    """The statistics kernel over the factored gradients of one class."""
+                        COL_PART_ALIGNED: tl.constexpr, PREFETCH: tl.constexpr):
+    """The statistics kernel over the factored gradients of one class: program ``pid`` runs
+    :func:`.factored_step._stats_program` of its tensor (``stats_items`` work items each, the
+    tensor's program count ``cdiv(n_row_programs * n_splits, stats_items)``). The item count
+    is passed unspecialised: it only steers the loop, never a layout."""
     pid = tl.program_id(0)
     row = _meta_row(meta_ptr, prog_ptr, pid)
     g_ptr = g_base + tl.load(gptr_ptr + tl.load(row + 5)) * G_VEC
@@ -150,7 +155,8 @@ def _group_stats_kernel(meta_ptr, prog_ptr, gptr_ptr, g_base, scratch_ptr, ticke
                    ticket_ptr + tl.load(row + 22), _spec(tl.load(row + 12), SPEC_NROWS),
                    _spec(tl.load(row + 8), SPEC_NCOLS), _spec(tl.load(row + 13), SPEC_TILES),
                    _spec(tl.load(row + 14), SPEC_SPLITS), _spec(tl.load(row + 15), SPEC_TPS),
-                   _spec(tl.load(row + 16), SPEC_RPP), RB, CB)
+                   _spec(tl.load(row + 16), SPEC_RPP), _i32(tl.load(row + 27)), RB, CB,
+                   PREFETCH)
 
 
 @jit

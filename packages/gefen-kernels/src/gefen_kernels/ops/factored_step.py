@@ -337,6 +337,19 @@ def factored_step_reference(
 _STATS_TILE = 8192  # elements of one [RB, CB] tile: 16 KiB of bf16 in flight per iteration
 _STATS_CB = 256  # columns per tile: one warp's 32 lanes x 8 bf16 (16-byte vectors) per row
 _STATS_PROGRAMS = 2048  # about 15 programs per SM on a 132-SM H200 (short last wave)
+# Work items (one row strip x one split) per program: enough [RB, CB] chunks per program
+# (_STATS_CHUNKS) to amortise its start and keep the next chunk's load in flight, but at
+# least _STATS_MIN_PROGRAMS programs per tensor while items allow, so one tensor still fills
+# the GPU. Speed only: the sums do not depend on these. H200 sweep (bit-identical, within 3%
+# of each other; docs/results/h200-2026-11-30-stats/): 4, 8 or 16 chunks alike; 256 minimum
+# programs 1-2% faster than 512 on every case (not yet adopted: one run).
+_STATS_CHUNKS = 8
+_STATS_MIN_PROGRAMS = 512
+# Prefetch the next chunk (one more chunk of registers: 80 -> 99 registers for bf16, still two
+# 8-warp programs per SM) for gradients of at most this many bytes per element. Speed only. On
+# the H200 fp32 gradients also gained from it (4 x [8192, 2048]: 0.193 -> 0.174 ms, 128 -> 173
+# registers; docs/results/h200-2026-11-30-stats/), not adopted untested with the GPU suite.
+_STATS_PREFETCH_MAX_BYTES = 2
 _STATS_MAX_ROW_PROGRAMS = 512  # bounds the column partials the finalize sums per column
 _STATS_MAX_SPLITS = 1024  # bounds the row partials the finalize sums per row
 _STATS_ROW_PART_FLOATS = 1 << 20  # row partials beyond R floats: <= 4 MiB
@@ -353,23 +366,50 @@ _FIN_TOTAL = 1024
 @jit
 def _factored_stats_kernel(g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows, ncols,  # type: ignore[no-untyped-def]
                            n_col_tiles, n_splits, tiles_per_split, rows_per_program,
-                           RB: tl.constexpr, CB: tl.constexpr):
+                           items_per_program, RB: tl.constexpr, CB: tl.constexpr,
+                           PREFETCH: tl.constexpr):
     """The statistics of one gradient: program ``pid`` runs :func:`_stats_program`."""
     _stats_program(tl.program_id(0), g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows,
-                   ncols, n_col_tiles, n_splits, tiles_per_split, rows_per_program, RB, CB)
+                   ncols, n_col_tiles, n_splits, tiles_per_split, rows_per_program,
+                   items_per_program, RB, CB, PREFETCH)
+
+
+@jit
+def _stats_item(w, nrows, n_col_tiles, n_splits, tiles_per_split, rows_per_program):  # type: ignore[no-untyped-def]
+    """Work item ``w`` of the statistics kernel: ``(row strip, split, first row, row stop,
+    first tile, tile stop)``."""
+    pr = w // n_splits
+    ps = w - pr * n_splits
+    first = pr * rows_per_program
+    t0 = ps * tiles_per_split
+    return (pr, ps, first, tl.minimum(first + rows_per_program, nrows), t0,
+            tl.minimum(t0 + tiles_per_split, n_col_tiles))
+
+
+@jit
+def _stats_load(g_ptr, start, t, stop, lanes, lane_offs, ncols, CB: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The ``[RB, CB]`` chunk of rows ``start ..`` (below ``stop``) and column tile ``t`` in
+    the gradient's dtype (half the registers of fp32 while it waits for its turn), zero outside
+    the matrix (``stop = 0``: none)."""
+    cols = t * CB + tl.arange(0, CB)
+    rmask = start + lanes < stop
+    base = g_ptr + start.to(tl.int64) * ncols
+    return tl.load(base + lane_offs[:, None] + cols[None, :],
+                   mask=rmask[:, None] & (cols < ncols)[None, :], other=0.0)
 
 
 @jit
 def _stats_program(pid, g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows, ncols,  # type: ignore[no-untyped-def]
-                   n_col_tiles, n_splits, tiles_per_split, rows_per_program,
-                   RB: tl.constexpr, CB: tl.constexpr):
-    """Partial sums of g^2 (fp32) of a ``[rows_per_program, tiles_per_split * CB]`` block of a
-    ``[R, C]`` gradient; program ``pid`` is row strip ``pid // n_splits``, split
-    ``pid % n_splits``.
+                   n_col_tiles, n_splits, tiles_per_split, rows_per_program, items_per_program,
+                   RB: tl.constexpr, CB: tl.constexpr, PREFETCH: tl.constexpr):
+    """Partial sums of g^2 (fp32) of ``items_per_program`` consecutive work items of a
+    ``[R, C]`` gradient. Work item ``w`` is the ``[rows_per_program, tiles_per_split * CB]``
+    block of row strip ``w // n_splits`` and split ``w % n_splits``; program ``pid`` does
+    items ``pid * items_per_program ..`` (below ``n_row_programs * n_splits``) in order.
 
     g_ptr: ``[R, C]`` contiguous (fp32/bf16/fp16). row_part_ptr: fp32 ``[n_splits, R]``, the
-    sum of each row over this split's columns (tile by tile in column order). col_part_ptr:
-    fp32 ``[n_row_programs, C]``, the sum of each column over this strip's rows. ticket_ptr:
+    sum of each row over a split's columns (tile by tile in column order). col_part_ptr:
+    fp32 ``[n_row_programs, C]``, the sum of each column over a strip's rows. ticket_ptr:
     int32 ``[1]``, zeroed here for the finalize kernel's ticket.
 
     The column sums accumulate in a ``[RB, CB]`` register tile, reduced across warps once per
@@ -378,41 +418,95 @@ def _stats_program(pid, g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows, nc
     (``[n_splits, R]``). Later tiles of a split add to the row sums stored by the earlier ones
     (read back after a CTA barrier; the same program wrote them). Tile offsets are int32, the
     row base int64, so no offset overflows below ``2**31`` columns. Fixed order, no atomics.
+
+    Speed (same sums, bit for bit, as one item per program without prefetch): the chunks of a
+    program's items form one sequence, and the load of the next ``[RB, CB]`` chunk (possibly
+    of the next tile or item) is issued before the current one is reduced, so one load is
+    always in flight per warp; several items per program amortise the per-program start (the
+    grouped kernel's table lookups) over more bytes. The arithmetic on each chunk and the
+    order of every sum are those of the one-item loop (``acc`` restarts from zeros at each
+    tile, the row sums of a split's first tile add to a masked 0.0).
+
+    Measured on an H200 (Triton 3.6, ``scripts/stats_kernel_bench.py``,
+    ``docs/results/h200-2026-11-30-stats/``), grouped statistics + finalize launch, old (one
+    item per program, no prefetch) -> this: 16 x bf16 ``[8192, 2048]`` 0.978 -> 0.842 ms,
+    16 x ``[2048, 8192]`` 0.954 -> 0.814 ms, ``[128256, 2048]`` 0.317 -> 0.222 ms (1.66 -> 2.37
+    TB/s of gradient read; copy 4.28 TB/s), the Llama-3.2-1B 2-D set 3.51 -> 3.13 ms, 4 x fp32
+    ``[8192, 2048]`` 0.212 -> 0.193 ms; every scratch word and ``r``/``k`` bit-identical. The
+    prefetch gives most of the gain on items of many chunks (the embedding: 0.284 ms without
+    it); shapes whose items are one chunk (``rows_per_program = RB``) stay near 0.65 TB/s,
+    bound by the per-item column reduction, which the fixed summation order keeps.
     """
-    pr = pid // n_splits
-    ps = pid % n_splits
     if pid == 0:
         tl.store(ticket_ptr, 0)
-    first = pr * rows_per_program
-    stop = tl.minimum(first + rows_per_program, nrows)
-    t0 = ps * tiles_per_split
-    t_end = tl.minimum(t0 + tiles_per_split, n_col_tiles)
+    n_items = tl.cdiv(nrows, rows_per_program) * n_splits
+    w = pid * items_per_program
+    w_end = tl.minimum(w + items_per_program, n_items)
     lanes = tl.arange(0, RB)
     lane_offs = lanes.to(tl.int64) * ncols
-    row_part = row_part_ptr + ps.to(tl.int64) * nrows
+    pr, ps, first, stop, t0, t_end = _stats_item(w, nrows, n_col_tiles, n_splits,
+                                                 tiles_per_split, rows_per_program)
     t = t0
+    start = first
+    if PREFETCH:
+        g = _stats_load(g_ptr, start, t, tl.where(w < w_end, stop, 0), lanes, lane_offs,
+                        ncols, CB)
+    acc = tl.zeros([RB, CB], dtype=tl.float32)
     # while, not range(): Triton 3.3's interpreter cannot take a runtime loop bound.
-    while t < t_end:
-        cols = t * CB + tl.arange(0, CB)
-        cmask = cols < ncols
-        acc = tl.zeros([RB, CB], dtype=tl.float32)
-        start = first
-        while start < stop:
-            rows = start + lanes
-            rmask = rows < stop
-            base = g_ptr + start.to(tl.int64) * ncols
-            g = tl.load(base + lane_offs[:, None] + cols[None, :],
-                        mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            sq = g * g
-            acc += sq
-            # +0.0 for the first tile of the split: exact, so one store order for every split.
-            prev = tl.load(row_part + rows, mask=rmask & (lanes * 0 + t > t0), other=0.0)
-            tl.store(row_part + rows, prev + tl.sum(sq, axis=1), mask=rmask)
-            start += RB
-        tl.store(col_part_ptr + pr.to(tl.int64) * ncols + cols, tl.sum(acc, axis=0), mask=cmask)
-        # The next tile reads the row sums other threads of this program stored.
-        tl.debug_barrier()
-        t += 1
+    while w < w_end:
+        # The position of the next chunk: the next rows of this tile, else the first rows of
+        # the next tile of this split, else the first chunk of the next item.
+        n_w = w
+        n_pr = pr
+        n_ps = ps
+        n_first = first
+        n_stop = stop
+        n_t0 = t0
+        n_t_end = t_end
+        n_t = t
+        n_start = start + RB
+        if n_start >= stop:
+            n_start = first
+            n_t = t + 1
+            if n_t >= t_end:
+                n_w = w + 1
+                n_pr, n_ps, n_first, n_stop, n_t0, n_t_end = _stats_item(
+                    n_w, nrows, n_col_tiles, n_splits, tiles_per_split, rows_per_program)
+                n_t = n_t0
+                n_start = n_first
+        if PREFETCH:
+            g_next = _stats_load(g_ptr, n_start, n_t, tl.where(n_w < w_end, n_stop, 0), lanes,
+                                 lane_offs, ncols, CB)
+        else:
+            g = _stats_load(g_ptr, start, t, stop, lanes, lane_offs, ncols, CB)
+        # The current chunk: rows start .. of tile t of item w.
+        rows = start + lanes
+        rmask = rows < stop
+        g32 = g.to(tl.float32)
+        sq = g32 * g32
+        acc += sq
+        row_part = row_part_ptr + ps.to(tl.int64) * nrows
+        # +0.0 for the first tile of the split: exact, so one store order for every split.
+        prev = tl.load(row_part + rows, mask=rmask & (lanes * 0 + t > t0), other=0.0)
+        tl.store(row_part + rows, prev + tl.sum(sq, axis=1), mask=rmask)
+        if start + RB >= stop:
+            cols = t * CB + tl.arange(0, CB)
+            tl.store(col_part_ptr + pr.to(tl.int64) * ncols + cols, tl.sum(acc, axis=0),
+                     mask=cols < ncols)
+            acc = tl.zeros([RB, CB], dtype=tl.float32)
+            # The next tile reads the row sums other threads of this program stored.
+            tl.debug_barrier()
+        if PREFETCH:
+            g = g_next
+        w = n_w
+        pr = n_pr
+        ps = n_ps
+        first = n_first
+        stop = n_stop
+        t0 = n_t0
+        t_end = n_t_end
+        t = n_t
+        start = n_start
 
 
 @jit
@@ -552,6 +646,21 @@ def stats_layout(rows: int, cols: int) -> tuple[int, int, int, int, int]:
     return rb, cb, splits, n_row_programs, rows_per_program
 
 
+def stats_items_per_program(layout: tuple[int, int, int, int, int], cols: int) -> int:
+    """Work items per program of the statistics kernel for a gradient of ``cols`` columns
+    with :func:`stats_layout` ``layout`` (speed only; the sums do not depend on it)."""
+    rb, cb, splits, n_row_programs, rows_per_program = layout
+    chunks = _cdiv(rows_per_program, rb) * _cdiv(_cdiv(cols, cb), splits)
+    items = n_row_programs * splits
+    return max(1, min(_STATS_CHUNKS // chunks, items // _STATS_MIN_PROGRAMS))
+
+
+def stats_prefetch(element_size: int) -> bool:
+    """Whether the statistics kernel prefetches the next chunk (``PREFETCH``) for a gradient
+    of ``element_size`` bytes per element (speed only; the sums do not depend on it)."""
+    return element_size <= _STATS_PREFETCH_MAX_BYTES
+
+
 class _Partials:
     """Views into the one scratch allocation of a statistics launch (all fp32 but ``ticket``):
     ``row_part`` ``[n_splits, R]``, ``col_part`` ``[n_row_programs, C]``, ``block_sum``
@@ -580,10 +689,11 @@ def _stats_partials(grad: Tensor, layout: tuple[int, int, int, int, int] | None 
                       scratch[n_row:n_row + n_col].view(n_row_programs, cols),
                       scratch[n_row + n_col:n_row + n_col + n_blocks], scratch[-2:-1],
                       scratch[-1:].view(torch.int32))
-    _factored_stats_kernel[(n_row_programs * splits,)](
+    items = stats_items_per_program((rb, cb, splits, n_row_programs, rows_per_program), cols)
+    _factored_stats_kernel[(_cdiv(n_row_programs * splits, items),)](
         grad, parts.row_part, parts.col_part, parts.ticket, rows, cols, n_col_tiles, splits,
-        _cdiv(n_col_tiles, splits), rows_per_program, RB=rb, CB=cb, num_warps=8,
-        **LAUNCH_OPTIONS)
+        _cdiv(n_col_tiles, splits), rows_per_program, items, RB=rb, CB=cb,
+        PREFETCH=stats_prefetch(grad.element_size()), num_warps=8, **LAUNCH_OPTIONS)
     return parts
 
 

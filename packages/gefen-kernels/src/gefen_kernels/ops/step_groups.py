@@ -36,7 +36,14 @@ from ._group_kernels import (
     _group_tile_kernel,
 )
 from ._triton_helpers import LAUNCH_OPTIONS
-from .factored_step import _FIN_COLS, _FIN_CONSTS, _FIN_ROWS, _cdiv
+from .factored_step import (
+    _FIN_COLS,
+    _FIN_CONSTS,
+    _FIN_ROWS,
+    _cdiv,
+    stats_items_per_program,
+    stats_prefetch,
+)
 from .step_plan import StepPlan
 
 __all__ = ["GROUP_SCRATCH_BYTES", "StepGroups", "tile_meta_row"]
@@ -204,8 +211,10 @@ class _Launches:
             row[_COL["inv_rbar"]] = n_row + n_col + n_blocks
             offset += self._region_floats(plan)
             row[_COL["ticket"]] = local
+            items = stats_items_per_program(plan._stats_layout, ncols)
+            row[_COL["stats_items"]] = items
             row[_COL["stats_first"]] = len(maps["stats"])
-            maps["stats"].extend([local] * (n_row_programs * splits))
+            maps["stats"].extend([local] * _cdiv(n_row_programs * splits, items))
             row[_COL["finalize_first"]] = len(maps["finalize"])
             maps["finalize"].extend(
                 [local] * max(1, _cdiv(nrows, _FIN_ROWS) + _cdiv(ncols, _FIN_COLS)))
@@ -357,7 +366,9 @@ class StepGroups:
                         chunk["meta"], chunk["stats"], gptr, g_base, scratch, tickets,
                         G_VEC=cls.g_vec, RB=rb, CB=cb, SPEC_NROWS=sp[2], SPEC_NCOLS=sp[1],
                         SPEC_TILES=sp[3], SPEC_SPLITS=sp[4], SPEC_TPS=sp[5], SPEC_RPP=sp[6],
-                        COL_PART_ALIGNED=bool(sp[8]), num_warps=8, **LAUNCH_OPTIONS)
+                        COL_PART_ALIGNED=bool(sp[8]),
+                        PREFETCH=stats_prefetch(_ELEMENT_BYTES[g_base.dtype]), num_warps=8,
+                        **LAUNCH_OPTIONS)
                     _group_finalize_kernel[(chunk["n_finalize"],)](
                         chunk["meta"], chunk["finalize"], f_base, scratch, tickets, b2, omb2,
                         SPEC_NROWS=sp[2], SPEC_NCOLS=sp[1], SPEC_SPLITS=sp[4], SPEC_NRP=sp[7],

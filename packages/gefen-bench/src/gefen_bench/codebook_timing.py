@@ -55,16 +55,18 @@ def realistic_counts(elements: int, period: int, seed: int) -> torch.Tensor:
     """int64 ``[4096]`` histogram of block-normalised Student-t(4) gradients (§1.8.2 binning).
 
     Rows of ``period`` elements get log-normal scales (sigma 1), as gradients of different
-    output channels do; every block's extreme lands in bin 0 or 4095.
+    output channels do; every block's extreme lands in bin 0 or 4095. Binned by
+    ``gefen_kernels``' reference histogram (a block whose values are all zero, possible at
+    ``period = 1``, counts in the middle bin).
     """
+    from gefen_kernels.ops.histogram import histogram_reference
+
     gen = torch.Generator().manual_seed(seed)
     rows = elements // period
     normal = torch.randn(rows, period, generator=gen)
     chi2 = torch.randn(4, rows, period, generator=gen).square().sum(0) / 4.0
     g = normal / chi2.sqrt() * torch.exp(torch.randn(rows, 1, generator=gen))
-    z = g / g.abs().amax(dim=1, keepdim=True)
-    idx = torch.floor((z + 1.0) * 2048.0).clamp_(0, 4095).to(torch.int64)
-    return torch.bincount(idx.view(-1), minlength=4096)
+    return histogram_reference(g.contiguous(), period)
 
 
 def _textbook(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float]:

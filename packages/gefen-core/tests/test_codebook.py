@@ -466,6 +466,27 @@ def test_upper_bound_is_a_feasible_cost_at_least_the_optimum(seed):
         assert np.isfinite(bound) and bound >= optimum
 
 
+def test_bound_covers_segment_costs_that_round_below_zero():
+    """A heavy point at -1 and a thousand points 1e-13 apart: computed segment costs round
+    below zero, so a row of the textbook's optimal path costs more than the optimum (768
+    against 609). The bound's rounding slack must keep that row."""
+    x = np.concatenate([[-1.0, -0.6], 0.7708278277520779 + 1e-13 * np.arange(1000), [1.0]])
+    w = np.concatenate([[1e15, 4800.0], np.full(1000, 15.649354564917187), [1.0]])
+    ref_c, ref_cost = textbook_vectorised(x, w, 3)
+    c, cost = _solve(x, w, 3)
+    assert np.array_equal(c, ref_c) and cost == ref_cost
+
+
+def test_bound_uses_the_recurrence_expressions_when_they_underflow():
+    """Weights near 1e-170: ``s1 * s1`` underflows in the recurrence, so a bound computed
+    another way would sit below the cost the recurrence computes for its optimum."""
+    x = np.linspace(-0.9, 0.9, 5)
+    w = 1e-170 * np.arange(1, 6)
+    ref_c, ref_cost = textbook_vectorised(x, w, 3)
+    c, cost = _solve(x, w, 3)
+    assert np.array_equal(c, ref_c) and cost == ref_cost
+
+
 def test_two_separated_clusters_are_recovered_exactly():
     counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
     left = torch.arange(1000, 1127)

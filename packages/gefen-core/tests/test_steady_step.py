@@ -146,6 +146,11 @@ def _changes() -> dict[str, Callable[[Gefen, list[torch.Tensor]], None]]:
     def param_storage(opt: Gefen, ps: list[torch.Tensor]) -> None:
         ps[2].data = ps[2].data.clone()
 
+    def counter_storage(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        # The counter keeps its identity but leaves the buffer the steady step advances.
+        step = opt.state[ps[0]]["step"]
+        step.data = step.data.clone()
+
     def param_transposed(opt: Gefen, ps: list[torch.Tensor]) -> None:
         # Same address, shape and dtype; no longer contiguous.
         ps[6].data = ps[6].data.t()
@@ -157,8 +162,8 @@ def _changes() -> dict[str, Callable[[Gefen, list[torch.Tensor]], None]]:
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
 
     return {f.__name__: f for f in (no_grad, grad_dtype, grad_strided, first_grad, betas,
-                                     state_tensor, param_storage, param_transposed, add_group,
-                                     reload)}
+                                     state_tensor, param_storage, counter_storage,
+                                     param_transposed, add_group, reload)}
 
 
 @pytest.mark.parametrize("change", sorted(_changes()))
@@ -326,3 +331,16 @@ def test_counters_step_as_one_buffer_and_checkpoint_as_separate_counters(
     _step_both(a, b, pa, pb, range(3, 6))
     assert fused_on_cpu["hit"] == hits + 3
     assert all(a.state[p]["step"].item() == 6.0 for p in stepped)
+
+
+def test_a_new_record_of_the_same_counters_keeps_them(fused_on_cpu: dict[str, int]) -> None:
+    """Counters already laid out in a record's buffer stay the same tensors when the next full
+    step records again, so references to them keep following the state."""
+    a, b, pa, pb = _twins()
+    _step_both(a, b, pa, pb, range(2))
+    step = a.state[pa[0]]["step"]
+    _full_step(a)  # records again: the same counters, already in a buffer
+    _full_step(b)
+    assert a.state[pa[0]]["step"] is step
+    _step_both(a, b, pa, pb, range(3, 5))
+    assert step.item() == a.state[pa[0]]["step"].item() == 5.0

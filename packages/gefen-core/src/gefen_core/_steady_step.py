@@ -25,20 +25,22 @@ anything is mutated, that a full step would build exactly the same launches:
 
 If all hold it advances the counters, computes the per-step scalars with the full step's code
 (:func:`gefen_core.functional._host_rows_from`) and launches the same plans and launch tables,
-so the result is bit-identical to the full step.
-
-The step counters (``state["step"]`` and ``state["exp_avg_sq_step"]``, fp32 0-d CPU tensors as
-in ``torch.optim``) are separate tensors, and adding one to ~300 of them costs ~300 dispatches
-(0.46 ms on the 2-core CPU machine, about 1.1 ms on the H200 host, half the GPT-2-shaped step's
-host time). So :func:`build` moves each launch call's counters into one fp32 buffer: every
-``state["step"]`` becomes a 0-d view of it, with its value. A steady step then advances them
-all with one ``add_`` and reads them with one ``tolist``. The views are ordinary tensors to
-every other reader (``state_dict``, ``torch.save``, ``torch.distributed.checkpoint``, the full
-step's ``_foreach_add_``). Otherwise it returns ``False`` having changed
+so the result is bit-identical to the full step. Otherwise it returns ``False`` having changed
 nothing, and the full step runs (and records again). The record refers to parameters, state
 and the codebook only weakly, so it never keeps replaced, deleted or offloaded state alive.
 An optimizer that reduces factored statistics (``_reduces_factored_stats``, whose
 ``_factored_statistics`` hook may be a collective on every step) is never recorded.
+
+The step counters (``state["step"]`` and ``state["exp_avg_sq_step"]``, fp32 0-d CPU tensors as
+in ``torch.optim``) are separate tensors, and adding one to ~300 of them costs ~300 dispatches
+(0.46 ms on the 2-core CPU machine, about 1.1 ms on the H200 host, half the GPT-2-shaped step's
+host time). So :func:`build` lays each launch call's counters out as 0-d views of one fp32
+buffer, with their values (the first record replaces the counter tensors; later records of
+the same tensors keep them), and a steady step advances them all with one ``add_`` and reads
+them with one ``tolist``. The record checks the counters' identity and address, so a counter
+replaced or moved (``.set_()``, ``.data =``) sends the step to the full path. The views are
+ordinary tensors to every other reader (``state_dict``, ``torch.save``,
+``torch.distributed.checkpoint``, the full step's ``_foreach_add_``).
 """
 
 from __future__ import annotations
@@ -288,7 +290,9 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
                 keys += (["exp_avg_sq_row", "exp_avg_sq_col"] if factored[id(p)]
                          else ["exp_avg_sq"])
                 entries = tuple((k, weakref.ref(st[k]), st[k].data_ptr()) for k in keys)
-                entries += tuple((k, weakref.ref(st[k]), None)
+                # The counters' addresses too: a steady step advances the buffer they are views
+                # of (`_rehome_counters`), which `.set_()` or `.data =` would detach them from.
+                entries += tuple((k, weakref.ref(st[k]), st[k].data_ptr())
                                  for k in ("step", "exp_avg_sq_step"))
             elif p.numel() > 0:
                 return None
@@ -299,14 +303,22 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
 
 
 def _rehome_counters(states: Sequence[dict[str, Any]]) -> weakref.ref[Tensor] | None:
-    """Make the counters of ``states`` 0-d views of one new fp32 CPU buffer (``step`` of
-    every state, then ``exp_avg_sq_step`` of every state, in ``states``' order), with their
-    values; a weak reference to it. ``None`` (nothing changed) unless every counter is an fp32
-    0-d CPU tensor."""
+    """Make the counters of ``states`` 0-d views of one fp32 CPU buffer (``step`` of every
+    state, then ``exp_avg_sq_step`` of every state, in ``states``' order), with their values;
+    a weak reference to it. Counters already laid out so (an earlier record of the same
+    tensors) are kept as they are; otherwise they are replaced by views of a new buffer, so a
+    reference to an old counter tensor taken before stops following the state. ``None``
+    (nothing changed) unless every counter is an fp32 0-d CPU tensor."""
     old = [st["step"] for st in states] + [st["exp_avg_sq_step"] for st in states]
     if not old or any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 0
                       or t.requires_grad for t in old):
         return None
+    base = old[0]._base
+    if (base is not None and base.dim() == 1 and base.numel() == len(old)
+            and base.dtype == torch.float32 and base.device.type == "cpu"):
+        offset = base.storage_offset()
+        if all(t._base is base and t.storage_offset() == offset + i for i, t in enumerate(old)):
+            return weakref.ref(base)
     buffer = torch.stack(old)
     n = len(states)
     for i, st in enumerate(states):

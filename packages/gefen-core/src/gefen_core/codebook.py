@@ -80,7 +80,9 @@ Dropping rows that cannot be on the optimal path. Three more facts of the exact 
 non-negative, ``D[k][j_k] <= OPT`` on the rows ``j_k`` of the optimal path. The cost ``U`` of any
 feasible partition is at least ``OPT``: :meth:`_LayeredDP._upper_bound` takes a few Lloyd
 iterations from a cube-root-density start (0.6% above the optimum on the benchmark
-histogram) and adds a rounding slack. The rows of a layer with ``D[k][j] > U`` are then a suffix,
+histogram), computes its cost with the recurrence's expressions and adds a rounding slack
+(computed segment costs can round below zero, so the computed ``D`` along the path can
+exceed the computed optimum by the rounding of the later segments). The rows of a layer with ``D[k][j] > U`` are then a suffix,
 and none is on the optimal path: each layer keeps its rows up to the last one with
 ``D[k][j] <= U`` (``jmax(k)``) and sets ``D[k]`` to ``+inf`` past it. A kept row's dropped
 candidates have ``D[k-1][i-1] > U`` while its minimum is at most ``U``, so its minimum and
@@ -541,11 +543,13 @@ class _LayeredDP:
 
         Any partition into ``K`` non-empty contiguous segments costs at least the optimum, so
         its cost bounds every ``D[k][j]`` on the optimal path from above (segment costs are
-        non-negative). Starts from segments of equal ``sum(w**(1/3))`` (the codeword density of
-        an optimal fine quantizer goes as the point density to the 1/3); each iteration moves
-        every boundary to the midpoint of the adjacent segment values, clamped so that every
-        segment keeps a point. The slack covers the rounding of the prefix-sum differences
-        along a path, so the rows of the optimal path stay below the bound with a margin.
+        non-negative). The cost is computed with the recurrence's own expressions (with
+        weights below about 1e-154, ``s1 * s1`` underflows there too). Starts from segments of
+        equal ``sum(w**(1/3))`` (the codeword density of an optimal fine quantizer goes as the
+        point density to the 1/3); each iteration moves every boundary to the midpoint of the
+        adjacent segment values, clamped so that every segment keeps a point. The slack covers
+        the rounding of the computed segment costs along a path (``16 (M + K)`` ulps of the
+        prefix sums' magnitude), so the rows of the optimal path stay below the bound.
         """
         m, kk = self.m, self.k
         pw, ps1, ps2 = self.pw, self.ps1, self.ps2
@@ -566,17 +570,22 @@ class _LayeredDP:
             ww = pw[ends] - pw[starts - 1]
             s1 = ps1[ends] - ps1[starts - 1]
             s2 = ps2[ends] - ps2[starts - 1]
-            mean = s1 / ww
-            cost = s2 - s1 * mean
+            # The recurrence's own expressions, so this is the cost it computes for the
+            # partition (up to the order of the sum), underflow and all.
+            cost = s2 - s1 * s1 / ww
             cost[0] = (s2[0] + 2.0 * s1[0]) + ww[0]
             cost[-1] = (s2[-1] - 2.0 * s1[-1]) + ww[-1]
             best = min(best, float(np.maximum(cost, 0.0).sum()))
             if it == _UB_ITERATIONS:
                 break
+            mean = s1 / ww
             mean[0], mean[-1] = -1.0, 1.0
             s = np.searchsorted(x, 0.5 * (mean[:-1] + mean[1:]), side="left") + 1
+        # Computed segment costs can round below zero, so a row of the optimal path may exceed
+        # the optimum by the rounding of the costs after it: the prefix sums' errors (at most
+        # about M ulps of their magnitude, telescoping along a path) and each segment's own.
         scale = float(pw[m] + np.abs(self.ps1).max() + ps2[m])
-        return best * (1.0 + 1e-9) + 64.0 * kk * np.finfo(np.float64).eps * scale
+        return best * (1.0 + 1e-9) + 16.0 * (m + kk) * np.finfo(np.float64).eps * scale
 
     def solve(self) -> tuple[np.ndarray, float]:
         m, kk, full = self.m, self.k, self.rows

@@ -82,9 +82,10 @@ feasible partition is at least ``OPT``: :meth:`_LayeredDP._upper_bound` takes a 
 iterations from a cube-root-density start (0.6% above the optimum on the benchmark
 histogram), computes its cost with the recurrence's expressions and adds a rounding slack
 (computed segment costs can round below zero, so the computed ``D`` along the path can
-exceed the computed optimum by the rounding of the later segments). The rows of a layer with ``D[k][j] > U`` are then a suffix,
-and none is on the optimal path: each layer keeps its rows up to the last one with
-``D[k][j] <= U`` (``jmax(k)``) and sets ``D[k]`` to ``+inf`` past it. A kept row's dropped
+exceed the computed optimum by the rounding of the later segments). The rows of a layer
+with ``D[k][j] > U`` are then a suffix, and none is on the optimal path: each layer keeps its
+rows up to the last one with ``D[k][j] <= U`` (``jmax(k)``) and sets ``D[k]`` to ``+inf`` past
+it. A kept row's dropped
 candidates have ``D[k-1][i-1] > U`` while its minimum is at most ``U``, so its minimum and
 leftmost minimiser are the textbook's; dropping a suffix of columns keeps every layer matrix
 Monge (fact 1 and the certificate hold unchanged). Layer ``k`` computes rows up to

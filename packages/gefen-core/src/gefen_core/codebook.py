@@ -87,8 +87,8 @@ with ``D[k][j] > U`` are then a suffix, and none is on the optimal path: each la
 rows up to the last one with ``D[k][j] <= U`` (``jmax(k)``) and sets ``D[k]`` to ``+inf`` past
 it. A kept row's dropped candidates have ``D[k-1][i-1] > U`` while its minimum is at most
 ``U``, so its minimum and leftmost minimiser are the textbook's; dropping a suffix of columns
-keeps every layer matrix Monge (fact 1 and the certificate hold unchanged). Layer ``k`` computes rows up to
-``jmax(k-1) + E`` (``E`` follows how fast the kept rows grew; a layer whose last computed row is
+keeps every layer matrix Monge (fact 1 and the certificate hold unchanged). Layer ``k``
+computes rows up to ``jmax(k-1) + E`` (``E`` follows how fast the kept rows grew; a layer whose last computed row is
 still kept is redone wider, since ``jmax(k) >= jmax(k-1)``). Its rows past ``jmax(k-1)`` have no
 row of layer ``k - 1`` to bound them; their argmins are at least ``a_{k-1}(jmax(k-1))`` (fact 1
 within layer ``k``, then fact 2 at the kept row ``jmax(k-1)``), and they are scanned in full from

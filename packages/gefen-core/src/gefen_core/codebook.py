@@ -75,9 +75,9 @@ is a single row (``j = M``), scanned in full. Backtracking follows the stored ar
 textbook does.
 
 Dropping rows that cannot be on the optimal path. Three more facts of the exact arithmetic:
-``D[k][j] <= D[k][j + 1]`` (one more point never lowers the optimal cost), ``D[k][j] <=
-D[k-1][j]`` (splitting a segment never raises it) and, since every segment cost is non-negative,
-``D[k][j_k] <= OPT`` on the rows ``j_k`` of the optimal path. The cost ``U`` of any feasible
+``D[k][j] <= D[k][j + 1]`` (one more point never lowers the optimal cost),
+``D[k][j] <= D[k-1][j]`` (splitting a segment never raises it) and, since every segment cost is
+non-negative, ``D[k][j_k] <= OPT`` on the rows ``j_k`` of the optimal path. The cost ``U`` of any feasible
 partition is at least ``OPT``: :meth:`_LayeredDP._upper_bound` takes a few Lloyd iterations from
 a cube-root-density start (0.6% above the optimum on the benchmark histogram), computes its cost
 with the recurrence's expressions and adds a rounding slack (computed segment costs can round

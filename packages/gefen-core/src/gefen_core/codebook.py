@@ -76,24 +76,24 @@ textbook does.
 
 Dropping rows that cannot be on the optimal path. Three more facts of the exact arithmetic:
 ``D[k][j] <= D[k][j + 1]`` (one more point never lowers the optimal cost),
-``D[k][j] <= D[k-1][j]`` (splitting a segment never raises it) and, since every segment cost is
-non-negative, ``D[k][j_k] <= OPT`` on the rows ``j_k`` of the optimal path. The cost ``U`` of any feasible
-partition is at least ``OPT``: :meth:`_LayeredDP._upper_bound` takes a few Lloyd iterations from
-a cube-root-density start (0.6% above the optimum on the benchmark histogram), computes its cost
-with the recurrence's expressions and adds a rounding slack (computed segment costs can round
-below zero, so the computed ``D`` along the path can exceed the computed optimum by the rounding
-of the later segments). The rows of a layer with ``D[k][j] > U`` are then a suffix, and none is
-on the optimal path: each layer keeps its rows up to the last one with ``D[k][j] <= U``
-(``jmax(k)``) and sets ``D[k]`` to ``+inf`` past it. A kept row's dropped candidates have
-``D[k-1][i-1] > U`` while its minimum is at most ``U``, so its minimum and leftmost minimiser
-are the textbook's; dropping a suffix of columns keeps every layer matrix Monge (fact 1 and the
-certificate hold unchanged). Layer ``k`` computes rows up to ``jmax(k-1) + E`` (``E`` follows
-how fast the kept rows grew; a layer whose last computed row is still kept is redone wider,
-since ``jmax(k) >= jmax(k-1)``). Its rows past ``jmax(k-1)`` have no row of layer ``k - 1`` to
-bound them; their argmins are at least ``a_{k-1}(jmax(k-1))`` (fact 1 within layer ``k``, then
-fact 2 at the kept row ``jmax(k-1)``), and they are scanned in full from there to the last kept
-column: exact, they certify the windowed rows below them as the top row does. On the benchmark
-histogram this drops 41% of all rows and 67-91% of the first 20 layers'.
+``D[k][j] <= D[k-1][j]`` (splitting a segment never raises it) and, since every segment cost
+is non-negative, ``D[k][j_k] <= OPT`` on the rows ``j_k`` of the optimal path. The cost ``U``
+of any feasible partition is at least ``OPT``: :meth:`_LayeredDP._upper_bound` takes a few
+Lloyd iterations from a cube-root-density start (0.6% above the optimum on the benchmark
+histogram), computes its cost with the recurrence's expressions and adds a rounding slack
+(computed segment costs can round below zero, so the computed ``D`` along the path can exceed
+the computed optimum by the rounding of the later segments). The rows of a layer with
+``D[k][j] > U`` are then a suffix, and none is on the optimal path: each layer keeps its rows up
+to the last one with ``D[k][j] <= U`` (``jmax(k)``) and sets ``D[k]`` to ``+inf`` past it. A
+kept row's dropped candidates have ``D[k-1][i-1] > U`` while its minimum is at most ``U``, so
+its minimum and leftmost minimiser are the textbook's; dropping a suffix of columns keeps every
+layer matrix Monge (fact 1 and the certificate hold unchanged). Layer ``k`` computes rows up to
+``jmax(k-1) + E`` (``E`` follows how fast the kept rows grew; a layer whose last computed row is
+still kept is redone wider, since ``jmax(k) >= jmax(k-1)``). Its rows past ``jmax(k-1)`` have no
+row of layer ``k - 1`` to bound them; their argmins are at least ``a_{k-1}(jmax(k-1))`` (fact 1
+within layer ``k``, then fact 2 at the kept row ``jmax(k-1)``), and they are scanned in full from
+there to the last kept column: exact, they certify the windowed rows below them as the top row
+does. On the benchmark histogram this drops 41% of all rows and 67-91% of the first 20 layers'.
 
 Floating point: facts 1 and 2 are statements about exact arithmetic; the computed values carry
 rounding, so the two can only disagree where distinct candidates are equal up to rounding (a

@@ -33,9 +33,9 @@ import sys
 from typing import Any
 
 import torch
+from kernel_sweep import diagnostic_plan
 
 import gefen_kernels
-from gefen_kernels.ops.step_plan import StepPlan
 
 # (gefen_kernels.ops exports functions of these names: import the modules by path.)
 fs = importlib.import_module("gefen_kernels.ops.factored_step")
@@ -151,23 +151,7 @@ class Case:
             self.grads.append(g.to(gdt))
             del g
             self.keep.append((param, codes, scale, r, k))
-            self.plans.append(
-                StepPlan(
-                    param,
-                    codes,
-                    scale,
-                    None,
-                    r,
-                    k,
-                    self.codebook,
-                    beta1=0.9,
-                    beta2=0.999,
-                    eps=1e-8,
-                    maximize=False,
-                    stochastic_round=False,
-                    capturable=False,
-                )
-            )
+            self.plans.append(diagnostic_plan(param, codes, scale, None, r, k, self.codebook))
         self.bytes = sum(g.numel() * g.element_size() for g in self.grads)
         self.scalars = [(1e-3, 10.0, 30.0, 1.0)] * len(self.plans)
 

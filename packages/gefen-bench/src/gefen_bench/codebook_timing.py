@@ -102,6 +102,25 @@ def _textbook(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float]:
     return out, float(d[k, m])
 
 
+def _pruning(counts: torch.Tensor) -> dict[str, float]:
+    """How much of the recurrence the solver skipped on ``counts``: rows computed over the
+    textbook's ``R = M - K + 1`` per layer (all layers; the least and most of layers 2-21) and
+    its upper bound over the optimum (``gefen_core.codebook`` module docstring)."""
+    from gefen_core.codebook import _LayeredDP, histogram_bin_centers
+
+    c = counts.numpy()
+    active = np.flatnonzero(c)
+    x = histogram_bin_centers().numpy().astype(np.float64)[active]
+    solver = _LayeredDP(x, c[active].astype(np.float64), 256)
+    _, cost = solver.solve()
+    full = solver.rows
+    kept = np.asarray(solver.rows_computed, dtype=np.float64) / full
+    return {"rows_fraction": float(kept.mean()),
+            "rows_fraction_first_20_min": float(kept[:20].min()),
+            "rows_fraction_first_20_max": float(kept[:20].max()),
+            "bound_over_optimum": solver.bound / cost}
+
+
 def _time(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
     """Median wall and CPU milliseconds of ``fn()`` over ``repeats`` runs, and its result."""
     walls, cpus, result = [], [], None
@@ -139,6 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "codebook_first_last": [float(codebook[1]), float(codebook[-2])],
     }
     rows = [["optimal_codebook (4096-bin histogram)", active, 256, wall, cpu]]
+    results["pruning"] = _pruning(counts)
 
     if not args.no_naive:
         centers = histogram_bin_centers().double().numpy()
@@ -164,6 +184,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        "median ms (wall)", "median ms (cpu)"],
                 rows, caption=f"target <= {TARGET_MS:.0f} ms for 4096 active bins; load average "
                         f"{results['load_average_1_5_15']}")
+    pr = results["pruning"]
+    console.print(f"rows computed: {100 * pr['rows_fraction']:.0f}% of the textbook's "
+                  f"({100 * pr['rows_fraction_first_20_min']:.0f}-"
+                  f"{100 * pr['rows_fraction_first_20_max']:.0f}% in layers 2-21); bound "
+                  f"{100 * (pr['bound_over_optimum'] - 1):.2f}% above the optimum")
     if not args.no_naive:
         console.print(f"textbook vs solver on the small instance: identical = {identical}, "
                       f"speed-up x{results['speedup_on_naive_instance']:.0f}; textbook on the "

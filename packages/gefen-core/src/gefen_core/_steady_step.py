@@ -33,8 +33,9 @@ An optimizer that reduces factored statistics (``_reduces_factored_stats``, whos
 
 The step counters (``state["step"]`` and ``state["exp_avg_sq_step"]``, fp32 0-d CPU tensors as
 in ``torch.optim``) are separate tensors, and adding one to ~300 of them costs ~300 dispatches
-(0.46 ms on the 2-core CPU machine, about 1.1 ms on the H200 host, half the GPT-2-shaped step's
-host time). So :func:`build` lays each launch call's counters out as 0-d views of one fp32
+(about 1.1 ms on the H200 host under the profiler, half the GPT-2-shaped step's host time;
+``scripts/steady_host_cost.py`` measures a steady step's host time with and without what
+follows). So :func:`build` lays each launch call's counters out as 0-d views of one fp32
 buffer, with their values (the first record replaces the counter tensors; later records of
 the same tensors keep them), and a steady step advances them all with one ``add_`` and reads
 them with one ``tolist``. The record checks the counters' identity and address, so a counter

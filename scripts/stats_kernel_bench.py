@@ -20,7 +20,10 @@ Bit identity: every launch's statistics scratch (row/column partials, block sums
 is pre-filled with a fixed pattern, copied after the finalize kernel, and compared bit for bit
 (together with the updated ``r``/``k`` state and the one-tensor outputs) with the old code's,
 on the same inputs (drawn from a seeded CUDA generator). Launch-setting variants (work items
-per program, prefetch) are speed choices: each is compared with the old outputs too.
+per program, prefetch) are speed choices: each is compared with the old outputs too. Layout
+variants (``strip*``: chunks per row strip) sum the columns in another order: for those the
+last column prints the largest relative difference of the ``r``/``k`` state from the old
+code's.
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ SINGLE = [(8192, 2048), (2048, 8192), (128256, 2048)]
 # name -> module constants of factored_step (speed only). Older code lacks them: "base" only.
 VARIANTS: dict[str, dict[str, int]] = {
     "new": {},
+    "strip1": {"_STATS_STRIP_CHUNKS": 1},
+    "strip4": {"_STATS_STRIP_CHUNKS": 4},
+    "strip8": {"_STATS_STRIP_CHUNKS": 8},
+    "strip32": {"_STATS_STRIP_CHUNKS": 32},
     "items1": {"_STATS_CHUNKS": 1},
     "chunks4": {"_STATS_CHUNKS": 4},
     "chunks16": {"_STATS_CHUNKS": 16},
@@ -151,11 +158,15 @@ class Case:
             self.grads.append(g.to(gdt))
             del g
             self.keep.append((param, codes, scale, r, k))
-            self.plans.append(diagnostic_plan(param, codes, scale, None, r, k, self.codebook))
         self.bytes = sum(g.numel() * g.element_size() for g in self.grads)
-        self.scalars = [(1e-3, 10.0, 30.0, 1.0)] * len(self.plans)
+        self.scalars = [(1e-3, 10.0, 30.0, 1.0)] * len(self.keep)
 
     def groups(self) -> Any:
+        # Plans afresh: a plan fixes its statistics layout when built (the strip* variants).
+        self.plans = [
+            diagnostic_plan(param, codes, scale, None, r, k, self.codebook)
+            for param, codes, scale, r, k in self.keep
+        ]
         return step_groups.StepGroups(self.plans, self.grads)
 
     def outputs(
@@ -199,6 +210,17 @@ def bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[bool, str]:
     words = sum(x.numel() for x in a)
     unwritten = sum(int((x == FILL).sum()) for x in a)
     return True, f"{len(a)} tensors, {words} words equal ({unwritten} padding words unwritten)"
+
+
+def state_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor], n: int) -> float:
+    """Largest relative difference between the last ``n`` tensors of ``a`` and ``b`` (the
+    ``r``/``k`` state, and ``1/rbar`` for one-tensor launches): the size of the change where a
+    new layout sums in another order and the scratch is no longer comparable word for word."""
+    worst = 0.0
+    for x, y in zip(a[-n:], b[-n:]):
+        x64, y64 = x.double(), y.double()
+        worst = max(worst, float(((x64 - y64).abs() / y64.abs().clamp_min(1e-30)).max()))
+    return worst
 
 
 def main() -> int:
@@ -281,6 +303,9 @@ def main() -> int:
             if old is not None:
                 entry["old_ms"] = old["cases"][cname]["ms"]
                 entry["speedup"] = entry["old_ms"] / ms
+                entry["state_max_rel_diff"] = state_rel_diff(
+                    outs, old["cases"][cname]["outs"], 2 * len(shapes)
+                )
             results["cases"].setdefault(cname, {})[vname] = entry
             if vname in ("new", "old"):
                 saved["cases"][cname] = {"ms": ms, "outs": outs}
@@ -304,6 +329,7 @@ def main() -> int:
         if old is not None:
             entry["old_ms"] = old["single"][key]["ms"]
             entry["speedup"] = entry["old_ms"] / ms
+            entry["state_max_rel_diff"] = state_rel_diff(outs, old["single"][key]["outs"], 3)
         results["single"][key] = entry
         saved["single"][key] = {"ms": ms, "outs": outs}
         print(json.dumps({"single": key, **entry}), flush=True)
@@ -315,19 +341,21 @@ def main() -> int:
     print(f"\ncopy_ {copy:.0f} GB/s (read + write)")
     print(
         f"{'case':24s} {'variant':14s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s} "
-        f"{'old ms':>8s} {'speedup':>7s}  bits"
+        f"{'old ms':>8s} {'speedup':>7s}  bits       r/k rel. diff"
     )
     for cname, vname, e in rows:
         print(
             f"{cname:24s} {vname:14s} {e['ms']:8.3f} {e['gbps']:7.0f} {e['pct_copy']:6.1f} "
             f"{e.get('old_ms', float('nan')):8.3f} {e.get('speedup', float('nan')):7.2f}  "
-            f"{'SAME' if e['bit_identical'] else 'DIFFERENT'}"
+            f"{'SAME' if e['bit_identical'] else 'DIFFERENT':10s} "
+            f"{e.get('state_max_rel_diff', float('nan')):.1e}"
         )
     for key, e in results["single"].items():
         print(
             f"one-tensor {key:13s} {'':14s} {e['ms']:8.3f} {e['gbps']:7.0f} {'':6s} "
             f"{e.get('old_ms', float('nan')):8.3f} {e.get('speedup', float('nan')):7.2f}  "
-            f"{'SAME' if e['bit_identical'] else 'DIFFERENT'}"
+            f"{'SAME' if e['bit_identical'] else 'DIFFERENT':10s} "
+            f"{e.get('state_max_rel_diff', float('nan')):.1e}"
         )
     bad = [r for r in rows if not r[2]["bit_identical"]] + [
         k for k, e in results["single"].items() if not e["bit_identical"]

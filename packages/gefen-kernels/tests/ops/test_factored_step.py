@@ -316,11 +316,17 @@ def test_triton_every_route(route, rows, cols, period, split, tile) -> None:
 # Small stand-ins for the GPU sizes at which the statistics layout changes shape: several column
 # tiles per split (the row partials' bound), more splits than one finalize chunk of row partials,
 # more row programs than one chunk of column partials, more r' block sums than one chunk.
+# (_STATS_STRIP_CHUNKS=1: strips of one chunk, so small shapes get several row programs.)
 LAYOUTS = [
     pytest.param(40, 1100, dict(_STATS_TILE=2048, _STATS_ROW_PART_FLOATS=80,
-                                _STATS_COL_PART_FLOATS=4000), None, "tiles", id="tiles-per-split"),
+                                _STATS_COL_PART_FLOATS=4000, _STATS_STRIP_CHUNKS=1), None,
+                 "tiles", id="tiles-per-split"),
     pytest.param(8, 72, dict(_STATS_TILE=16, _STATS_CB=4), None, "splits", id="many-splits"),
-    pytest.param(260, 4, dict(_STATS_TILE=16, _STATS_CB=4), 1, "rows", id="many-row-programs"),
+    pytest.param(260, 4, dict(_STATS_TILE=16, _STATS_CB=4, _STATS_STRIP_CHUNKS=1), 1, "rows",
+                 id="many-row-programs"),
+    # Strips of three chunks, the last one shorter (200 = 16 x 12 + 8 rows).
+    pytest.param(200, 72, dict(_STATS_TILE=16, _STATS_CB=4, _STATS_STRIP_CHUNKS=3), None,
+                 "strips", id="multi-chunk-strips"),
 ]
 
 
@@ -338,6 +344,9 @@ def test_triton_statistics_layouts(monkeypatch, rows, cols, consts, total_chunk,
         assert splits < shape[1] and n_row_programs > 1, shape
     elif expect == "splits":
         assert splits > fs._FIN_SR, shape
+    elif expect == "strips":
+        assert rows_per_program == 3 * rb and n_row_programs > 1, shape
+        assert rows % rows_per_program != 0, shape
     else:
         assert n_row_programs > fs._FIN_SP and -(-rows // fs._FIN_ROWS) > total_chunk, shape
     dev = _device()

@@ -337,6 +337,15 @@ def factored_step_reference(
 _STATS_TILE = 8192  # elements of one [RB, CB] tile: 16 KiB of bf16 in flight per iteration
 _STATS_CB = 256  # columns per tile: one warp's 32 lanes x 8 bf16 (16-byte vectors) per row
 _STATS_PROGRAMS = 2048  # about 15 programs per SM on a 132-SM H200 (short last wave)
+# Row strips of at least this many [RB, CB] chunks where the rows allow: a strip's column sums
+# stay in registers from chunk to chunk and are reduced across warps and stored once per
+# strip, not once per chunk. Part of the layout: it sets the column sums' order. H200
+# (docs/results/h200-2026-11-30-strips/), grouped statistics + finalize of the Llama-3.2-1B
+# 2-D set: 3.23 ms with one chunk per strip (the layout before 2026-11-30), 1.46 with 4, 1.16
+# with 8, 1.01 with 16, 0.95 with 32. Taller strips leave fewer programs, which a one-tensor
+# launch feels (the 11 Llama [2048, 8192] loop-route tensors are not grouped): bf16
+# [2048, 8192] alone took 0.08 ms with 1 or 8 chunks, 0.15 with 16.
+_STATS_STRIP_CHUNKS = 8
 # Work items (one row strip x one split) per program: enough [RB, CB] chunks per program
 # (_STATS_CHUNKS) to amortise its start and keep the next chunk's load in flight, but at
 # least _STATS_MIN_PROGRAMS programs per tensor while items allow, so one tensor still fills
@@ -434,8 +443,10 @@ def _stats_program(pid, g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows, nc
     TB/s of gradient read; copy 4.28 TB/s), the Llama-3.2-1B 2-D set 3.51 -> 3.13 ms, 4 x fp32
     ``[8192, 2048]`` 0.212 -> 0.193 ms; every scratch word and ``r``/``k`` bit-identical. The
     prefetch gives most of the gain on items of many chunks (the embedding: 0.284 ms without
-    it); shapes whose items are one chunk (``rows_per_program = RB``) stay near 0.65 TB/s,
-    bound by the per-item column reduction, which the fixed summation order keeps.
+    it). Items of one chunk (``rows_per_program = RB``, then every Llama shape but the
+    embedding) ran near 0.65 TB/s, bound by the per-item column reduction: the layout now
+    gives strips of ``_STATS_STRIP_CHUNKS`` chunks where the rows allow (a new column-sum
+    order; see that constant for the effect).
     """
     if pid == 0:
         tl.store(ticket_ptr, 0)
@@ -639,8 +650,8 @@ def stats_layout(rows: int, cols: int) -> tuple[int, int, int, int, int]:
     n_col_tiles = _cdiv(cols, cb)
     splits = max(1, min(n_col_tiles, _STATS_MAX_SPLITS, _STATS_ROW_PART_FLOATS // max(rows, 1)))
     splits = _cdiv(n_col_tiles, _cdiv(n_col_tiles, splits))  # no empty split
-    want = max(1, min(_cdiv(rows, rb), _cdiv(_STATS_PROGRAMS, splits), _STATS_MAX_ROW_PROGRAMS,
-                      _STATS_COL_PART_FLOATS // cols))
+    want = max(1, min(_cdiv(rows, rb * _STATS_STRIP_CHUNKS), _cdiv(_STATS_PROGRAMS, splits),
+                      _STATS_MAX_ROW_PROGRAMS, _STATS_COL_PART_FLOATS // cols))
     rows_per_program = _cdiv(_cdiv(rows, want), rb) * rb
     n_row_programs = _cdiv(rows, rows_per_program)
     return rb, cb, splits, n_row_programs, rows_per_program

@@ -3,6 +3,7 @@ same bits for every parameter and state tensor, whatever the grouping and chunki
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter
 from typing import Any
 
@@ -35,13 +36,15 @@ CASES = [
     ((3072,), 1024, torch.float32, torch.float32, False),
     ((96,), 32, torch.float16, torch.float16, False),
     ((8198,), 4099, torch.bfloat16, torch.bfloat16, False),  # split route: launched alone
+    # Split route, factored: grouped statistics (a class of its own), the update alone.
+    ((3, 8200), 8200, torch.bfloat16, torch.bfloat16, True),
     ((0,), 1, torch.bfloat16, torch.bfloat16, False),  # empty: nothing to launch
 ]
 
 
-def _tensors(dev: str, seed: int) -> list[dict[str, Any]]:
+def _tensors(dev: str, seed: int, cases: list[Any] = CASES) -> list[dict[str, Any]]:
     out = []
-    for j, (shape, period, pdt, gdt, factored) in enumerate(CASES):
+    for j, (shape, period, pdt, gdt, factored) in enumerate(cases):
         gen = torch.Generator().manual_seed(seed + j)
         n = 1
         for s in shape:
@@ -120,6 +123,42 @@ def test_groups_equal_one_launch_per_plan(options, scratch_bytes, monkeypatch) -
     assert groups.matches(plans, grads)
 
 
+def test_loop_route_factored_plans_share_the_statistics_launches(monkeypatch) -> None:
+    # Routes forced by period (choose_route is speed-only): loop above 32, else tile.
+    step_plan = importlib.import_module("gefen_kernels.ops.step_plan")
+    monkeypatch.setattr(step_plan, "choose_route",
+                        lambda num_blocks, period, device: "loop" if period > 32 else "tile")
+    cases = [((40, 64), 64, torch.bfloat16, torch.bfloat16, True),  # loop
+             ((40, 64), 64, torch.bfloat16, torch.bfloat16, True),  # loop, same class
+             ((24, 40), 20, torch.bfloat16, torch.bfloat16, True),  # tile
+             ((64,), 64, torch.bfloat16, torch.bfloat16, False)]  # block, loop: alone
+    launches: Counter[str] = Counter()
+    original = step_groups._group_stats_kernel
+
+    class Counting:
+        def __getitem__(self, grid: Any) -> Any:
+            launches["stats"] += 1
+            return original[grid]
+
+    monkeypatch.setattr(step_groups, "_group_stats_kernel", Counting())
+    dev = _device()
+    cb = make_codebook(5).to(dev)
+    base = _tensors(dev, seed=30, cases=cases)
+    scalars = [_scalars(j, c[4]) for j, c in enumerate(cases)]
+    seeds = [5 * j + 1 for j in range(len(cases))]
+    a, b = _clone(base), _clone(base)
+    plans_a = _plans(a, cb, maximize=False, stochastic_round=True)
+    assert [p.route for p in plans_a] == ["loop", "loop", "tile", "loop"]
+    for plan, it, sc, seed in zip(plans_a, a, scalars, seeds):
+        lr, bc1, bc2, decay = sc
+        plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
+    plans = _plans(b, cb, maximize=False, stochastic_round=True)
+    grads = [it["grad"] for it in b]
+    StepGroups(plans, grads).launch(grads, scalars, seeds)
+    assert launches["stats"] == 2  # the two loop-route tensors' class, the tile class
+    _compare(b, a)
+
+
 def test_groups_launch_once_per_class_and_chunk(monkeypatch) -> None:
     counts: Counter[str] = Counter()
 
@@ -141,17 +180,17 @@ def test_groups_launch_once_per_class_and_chunk(monkeypatch) -> None:
     StepGroups(plans, grads).launch(grads, [_scalars(j, c[4]) for j, c in enumerate(CASES)],
                                     None)
     # Factored classes: (bf16, bf16, P2 32, unaligned), (fp32, P2 64, aligned),
-    # (bf16, P2 16, aligned), (bf16, P2 64, unaligned: 600 columns), (bf16 param, fp16 grad).
-    # Block classes: P2 8 bf16, P2 1024 fp32, P2 32 fp16. The split-route tensor launches
-    # alone and the empty one not at all.
-    assert counts == {"_group_stats_kernel": 5, "_group_finalize_kernel": 5,
+    # (bf16, P2 16, aligned), (bf16, P2 64, unaligned: 600 columns), (bf16 param, fp16 grad),
+    # and the split-route tensor's (statistics only). Block classes: P2 8 bf16, P2 1024 fp32,
+    # P2 32 fp16. The block split-route tensor launches alone and the empty one not at all.
+    assert counts == {"_group_stats_kernel": 6, "_group_finalize_kernel": 6,
                       "_group_tile_kernel": 8}
     # One factored tensor per chunk; block classes need no scratch and stay whole.
     monkeypatch.setattr(step_groups, "GROUP_SCRATCH_BYTES", 0)
     counts.clear()
     StepGroups(plans, grads).launch(grads, [_scalars(j, c[4]) for j, c in enumerate(CASES)],
                                     None)
-    assert counts == {"_group_stats_kernel": 7, "_group_finalize_kernel": 7,
+    assert counts == {"_group_stats_kernel": 8, "_group_finalize_kernel": 8,
                       "_group_tile_kernel": 10}
 
 

@@ -1,6 +1,8 @@
 """Launch-configuration sweep of the fused step kernels on one CUDA tensor (diagnostic).
 
     PYTHONPATH=<packages>/src python scripts/kernel_sweep.py > sweep.txt
+    PYTHONPATH=<packages>/src python scripts/kernel_sweep.py --tile-max-period 8192 \
+        --shapes 2048x8192                 # the tile route for 8192-element blocks
 
 For Llama-shaped bf16 matrices (``[8192, 2048]``: tile route, one 2048-element block per
 row; ``[2048, 8192]``: loop route) in block and factored mode, times one planned step
@@ -14,10 +16,15 @@ depend on these settings (only speed does): the sweep is for choosing them.
 
 from __future__ import annotations
 
+import argparse
+import importlib
+
 import torch
 
 from gefen_kernels.ops.factored_step import factored_stats_triton, stats_layout
 from gefen_kernels.ops.step_plan import StepPlan
+
+step_kernels = importlib.import_module("gefen_kernels.ops._step_kernels")
 
 
 def median_event_ms(fn, reps: int = 50, warmup: int = 5) -> float:  # type: ignore[no-untyped-def]
@@ -108,9 +115,20 @@ def _case(shape: tuple[int, int], factored: bool) -> None:
 
 
 def main() -> None:
-    for shape in ((8192, 2048), (2048, 8192)):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--tile-max-period",
+        type=int,
+        help="route periods up to this to the tile kernel (default: the production bound)",
+    )
+    parser.add_argument("--shapes", default="8192x2048,2048x8192")
+    args = parser.parse_args()
+    if args.tile_max_period is not None:
+        step_kernels.TILE_MAX_PERIOD = args.tile_max_period  # read by choose_route at call time
+    for text in args.shapes.split(","):
+        rows, cols = (int(x) for x in text.split("x"))
         for factored in (False, True):
-            _case(shape, factored)
+            _case((rows, cols), factored)
 
 
 if __name__ == "__main__":

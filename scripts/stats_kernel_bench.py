@@ -77,6 +77,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "strip1": {"_STATS_STRIP_CHUNKS": 1},
     "strip4": {"_STATS_STRIP_CHUNKS": 4},
     "strip8": {"_STATS_STRIP_CHUNKS": 8},
+    "strip16": {"_STATS_STRIP_CHUNKS": 16},
     "strip32": {"_STATS_STRIP_CHUNKS": 32},
     "items1": {"_STATS_CHUNKS": 1},
     "chunks4": {"_STATS_CHUNKS": 4},

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import importlib
 import io
 import weakref
 from collections.abc import Callable, Iterator
@@ -344,3 +345,37 @@ def test_a_new_record_of_the_same_counters_keeps_them(fused_on_cpu: dict[str, in
     assert a.state[pa[0]]["step"] is step
     _step_both(a, b, pa, pb, range(3, 5))
     assert step.item() == a.state[pa[0]]["step"].item() == 5.0
+
+
+def test_off_tile_factored_tensors_share_grouped_statistics(
+        fused_on_cpu: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Factored tensors whose blocks take the loop route (forced here for blocks of 16 or more
+    elements: the route is speed-only) get their statistics in the grouped launches and their
+    update alone. The optimizer's steps, steady ones included, equal one launch per plan."""
+    step_plan = importlib.import_module("gefen_kernels.ops.step_plan")
+    step_groups = importlib.import_module("gefen_kernels.ops.step_groups")
+    monkeypatch.setattr(step_plan, "choose_route",
+                        lambda num_blocks, period, device: "loop" if period >= 16 else "tile")
+    stats_only = step_groups._stats_only
+    seen: list[bool] = []
+    monkeypatch.setattr(step_groups, "_stats_only",
+                        lambda plan: seen.append(stats_only(plan)) or seen[-1])
+    grouped_launch = functional._grouped_launch
+
+    def per_plan(grouped: Any, host: Any, seeds: Any, *, anchor: torch.Tensor) -> None:
+        for plan, grad, i in grouped:
+            lr, bc1, bc2, decay = host[i]
+            plan.launch(grad, lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay,
+                        seed=0 if seeds is None else seeds[i])
+
+    a, b, pa, pb = _twins(stochastic=True)
+    for step in range(4):
+        _grads(pa, step)
+        _grads(pb, step)
+        a.step()
+        monkeypatch.setattr(functional, "_grouped_launch", per_plan)
+        _full_step(b)
+        monkeypatch.setattr(functional, "_grouped_launch", grouped_launch)
+        _assert_same(a, b, pa, pb)
+    assert True in seen  # a statistics-only class was built
+    assert fused_on_cpu["hit"] == 3

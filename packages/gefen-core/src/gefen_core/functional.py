@@ -479,8 +479,9 @@ def _grouped_launch(grouped: Sequence[tuple[Any, Tensor, int]],
                     host: Sequence[tuple[float, float, float, float]],
                     seeds: Sequence[int] | None, *, anchor: Tensor) -> None:
     """The planned tensors of one step in a few launches per class of tensors (one per
-    block-mode class, three per chunk of a factored class) instead of one to three per
-    tensor: bit-identical to the per-plan launches."""
+    block-mode class, three per chunk of a factored class; factored tensors of the loop and
+    split routes two per chunk plus their own update) instead of one to three per tensor:
+    bit-identical to the per-plan launches."""
     grads = [item[1] for item in grouped]
     groups = _step_groups([item[0] for item in grouped], grads, anchor)
     groups.launch(grads, [host[i] for _, _, i in grouped],

@@ -297,10 +297,13 @@ def test_groups_refuse_plans_of_different_options() -> None:
 @pytest.mark.parametrize("scratch_bytes", [step_groups.GROUP_SCRATCH_BYTES, 1 << 20])
 def test_gpt2_shaped_list_equals_one_launch_per_plan_gpu(scratch_bytes, monkeypatch) -> None:
     """GPT-2 small's 148 tensors (matrices factored, vectors in block mode) plus a
-    [16384, 2048] matrix, bf16, both rounding modes, in one chunk per class and in 1 MiB
-    chunks: grouped launches against one launch per plan, bit for bit."""
+    [16384, 2048] matrix, and two factored matrices whose one block per row takes the loop
+    route ([2048, 8192]) and the split route ([4, 65536]: grouped statistics, the update
+    alone), bf16, both rounding modes, in one chunk per class and in 1 MiB chunks: grouped
+    launches against one launch per plan, bit for bit."""
     monkeypatch.setattr(step_groups, "GROUP_SCRATCH_BYTES", scratch_bytes)
-    shapes: list[tuple[int, ...]] = [(50257, 768), (1024, 768), (16384, 2048)]
+    shapes: list[tuple[int, ...]] = [(50257, 768), (1024, 768), (16384, 2048), (2048, 8192),
+                                     (4, 65536)]
     for _ in range(12):
         shapes += [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,),
                    (768, 3072), (3072,), (3072, 768), (768,)]
@@ -328,6 +331,7 @@ def test_gpt2_shaped_list_equals_one_launch_per_plan_gpu(scratch_bytes, monkeypa
         a, b = _clone(base), _clone(base)
         options = {"maximize": False, "stochastic_round": stochastic}
         plans = _plans(b, cb, **options)
+        assert [p.route for p in plans[3:5]] == ["loop", "split"]
         grads = [it["grad"] for it in b]
         groups = StepGroups(plans, grads)
         for _ in range(2):

@@ -343,8 +343,11 @@ _STATS_PROGRAMS = 2048  # about 15 programs per SM on a 132-SM H200 (short last 
 # (docs/results/h200-2026-11-30-strips/), grouped statistics + finalize of the Llama-3.2-1B
 # 2-D set: 3.23 ms with one chunk per strip (the layout before 2026-11-30), 1.46 with 4, 1.16
 # with 8, 1.01 with 16, 0.95 with 32. Taller strips leave fewer programs, which a one-tensor
-# launch feels (the 11 Llama [2048, 8192] loop-route tensors are not grouped): bf16
-# [2048, 8192] alone took 0.08 ms with 1 or 8 chunks, 0.15 with 16.
+# launch feels: bf16 [2048, 8192] alone took 0.08 ms with 1 or 8 chunks, 0.15 with 16. 8 was
+# chosen when Llama's 11 loop-route [2048, 8192] tensors still had one-tensor statistics
+# launches (the full step: 11.76 ms with 8, 12.15 with 16, other calls); they are grouped
+# since, and 16 or 32 have not been measured in the full step again. One-tensor launches
+# remain for unaligned tensors, the CUDA-graph path and the custom ops.
 _STATS_STRIP_CHUNKS = 8
 # Work items (one row strip x one split) per program: enough [RB, CB] chunks per program
 # (_STATS_CHUNKS) to amortise its start and keep the next chunk's load in flight, but at

@@ -163,16 +163,17 @@ class StepPlan:
             grad = grad.to(torch.float32)
         if self.numel == 0:
             return
+        tensors = self._live_tensors(hyper, seed_tensor)  # before anything is mutated
         inv_rbar = None
         if self.factored:
             from .factored_step import factored_stats_triton
 
-            row, col = self.tensors()[4:6]
+            row, col = tensors[4:6]
             assert row is not None and col is not None
             inv_rbar = factored_stats_triton(grad, row, col, beta2=self.beta2,
                                              layout=self._stats_layout)
-        self.launch_update(grad, inv_rbar, lr=lr, bc1_recip=bc1_recip, bc2=bc2, decay=decay,
-                           seed=seed, hyper=hyper, seed_tensor=seed_tensor)
+        self._update(tensors, grad, inv_rbar, lr, bc1_recip, bc2, decay, seed, hyper,
+                     seed_tensor)
 
     def launch_update(self, grad: Tensor, inv_rbar: Tensor | None, *, lr: float,
                       bc1_recip: float, bc2: float, decay: float, seed: int,
@@ -181,12 +182,30 @@ class StepPlan:
         ``[1]``, ``1/rbar``) comes from statistics already run on ``grad`` (which updated
         ``r``/``k``), e.g. by :class:`.step_groups.StepGroups`; ``None`` in block mode. ``grad``
         must be one :meth:`launch` accepts, in an fp32/bf16/fp16 dtype (not checked here)."""
-        param, codes, scale, exp_avg_sq, row, col, codebook = self.tensors()
+        if self.numel == 0:
+            return
+        assert (inv_rbar is not None) == self.factored
+        self._update(self._live_tensors(hyper, seed_tensor), grad, inv_rbar, lr, bc1_recip,
+                     bc2, decay, seed, hyper, seed_tensor)
+
+    def _live_tensors(self, hyper: Tensor | None,
+                      seed_tensor: Tensor | None) -> tuple[Tensor | None, ...]:
+        """:meth:`tensors`, asserting that the planned ones are alive and, under
+        ``capturable``, that the device scalars are given."""
+        tensors = self.tensors()
+        param, codes, scale, _, _, _, codebook = tensors
         assert param is not None and codes is not None and scale is not None
         assert codebook is not None
-        assert (inv_rbar is not None) == self.factored
         if self.capturable:
             assert hyper is not None and seed_tensor is not None
+        return tensors
+
+    def _update(self, tensors: tuple[Tensor | None, ...], grad: Tensor,
+                inv_rbar: Tensor | None, lr: float, bc1_recip: float, bc2: float, decay: float,
+                seed: int, hyper: Tensor | None, seed_tensor: Tensor | None) -> None:
+        param, codes, scale, exp_avg_sq, row, col, codebook = tensors
+        assert param is not None and codes is not None and scale is not None
+        assert codebook is not None
         if self._grid is None:
             launch_step(param, grad, codes, scale, exp_avg_sq=exp_avg_sq, row=row, col=col,
                         inv_rbar=inv_rbar, ncols=self.ncols, codebook=codebook, lr=lr,

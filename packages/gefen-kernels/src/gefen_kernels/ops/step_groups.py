@@ -10,9 +10,9 @@ finalize and one tile launch per chunk of factored tensors whose scratch fits
 :data:`GROUP_SCRATCH_BYTES`. Factored plans of the other routes (loop, split) form classes of
 their own whose statistics and finalize launches are grouped the same way, and then launch
 their update alone (:meth:`.step_plan.StepPlan.launch_update`, with ``1/rbar`` from the group's
-scratch): on an H200 a bf16 ``[2048, 8192]`` gradient's statistics alone ran at about 0.4
-TB/s, grouped ones at about 2 TB/s (``docs/results/h200-2026-11-30-strips/``). Block-mode plans
-of those routes launch one by one.
+scratch): on an H200 the statistics of one bf16 ``[2048, 8192]`` gradient alone read it at about
+0.4 TB/s, those of 16 such gradients in one launch at about 1.4 TB/s
+(``docs/results/h200-2026-11-30-strips/``). Block-mode plans of those routes launch one by one.
 
 Per step, the scalars, seeds and gradient offsets travel in one host-to-device copy from
 pinned memory; nothing else is rebuilt while the plans, their tensors' addresses and the

@@ -110,16 +110,17 @@ VARIANTS["load_cb"] = (
     [(_SK, "_codewords(cb_ptr, code), g)", "tl.load(cb_ptr + code), g)")],
 )
 # The nearest-rounding lookup (run 2026-11-30): production reads only the decision table's
-# head word and gathers c[q] from the register codebook; pair_load is the code before it.
+# head word and gathers c[q] from the register codebook; pair_load is the code before it (on
+# today's table layout).
 _HEAD_GATHER = (
-    "        head = tl.load(table_ptr + 2 * b)\n"
+    "        head = tl.load(table_ptr + b)\n"
     "        up = x > _low_float(head)\n"
     "        codes = (head >> 32).to(tl.int32)\n"
     "        q = tl.where(up, (codes >> 8) & 255, codes & 255)\n"
     "        if GATHER:\n"
     "            cq = tl_codewords(cb_ptr, q)\n"
     "        else:\n"
-    "            pair = tl.load(table_ptr + (2 * b + 1))\n"
+    "            pair = tl.load(table_ptr + (DECISION_PAIRS + b))\n"
     "            cq = tl.where(up, _high_float(pair), _low_float(pair))\n"
 )
 VARIANTS["pair_load"] = (
@@ -128,8 +129,8 @@ VARIANTS["pair_load"] = (
         (
             _TH,
             _HEAD_GATHER,
-            "        head = tl.load(table_ptr + 2 * b)\n"
-            "        pair = tl.load(table_ptr + (2 * b + 1))\n"
+            "        head = tl.load(table_ptr + b)\n"
+            "        pair = tl.load(table_ptr + (DECISION_PAIRS + b))\n"
             "        up = x > _low_float(head)\n"
             "        codes = (head >> 32).to(tl.int32)\n"
             "        q = tl.where(up, (codes >> 8) & 255, codes & 255)\n"
@@ -137,17 +138,23 @@ VARIANTS["pair_load"] = (
         ),
     ],
 )
-VARIANTS["head_packed"] = (
-    "candidate: production with the head words packed together (32 KiB, not 64 KiB)",
+# The decision table's layout: head words together, then the pair words (production since
+# 2026-11-30, measured as the variant head_packed before); interleaved is the layout before.
+VARIANTS["interleaved"] = (
+    "candidate: the decision table's head and pair words interleaved (64 KiB of heads' lines)",
     [
-        (_TH, "head = tl.load(table_ptr + 2 * b)", "head = tl.load(table_ptr + b)"),
-        (_TH, "pair = tl.load(table_ptr + (2 * b + 1))", "pair = tl.load(table_ptr + (4096 + b))"),
+        (_TH, "head = tl.load(table_ptr + b)", "head = tl.load(table_ptr + 2 * b)"),
+        (
+            _TH,
+            "pair = tl.load(table_ptr + (DECISION_PAIRS + b))",
+            "pair = tl.load(table_ptr + (2 * b + 1))",
+        ),
     ],
 )
 # Variants that take the decision table in another layout: variant -> (table -> its table).
 TABLE_LAYOUTS: dict[str, Any] = {
-    # heads [4096] then pairs [4096] (the pair of bucket b at 4096 + b).
-    "head_packed": lambda t: t.view(-1, 2).t().contiguous().reshape(-1),
+    # head and pair of bucket b at 2b and 2b + 1
+    "interleaved": lambda t: t.view(2, -1).t().contiguous().reshape(-1),
 }
 VARIANTS["base_again"] = ("candidate: production timed a second time (the spread)", [])
 VARIANTS["all_ablations"] = (
@@ -155,7 +162,7 @@ VARIANTS["all_ablations"] = (
     [
         p
         for name, (_, ps) in VARIANTS.items()
-        if name not in ("base", "load_cb", "pair_load", "head_packed")
+        if name not in ("base", "load_cb", "pair_load", "interleaved")
         for p in ps
     ],
 )

@@ -330,7 +330,7 @@ def _decision_codebooks() -> dict[str, torch.Tensor]:
 def _decode(table: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's lookup, written out in torch from the documented layout."""
     b = torch.floor((x + 1.0) * 2048.0).nan_to_num(nan=0.0).clamp(0, 4095).long()
-    head, pair = table[2 * b], table[2 * b + 1]
+    head, pair = table[b], table[4096 + b]
 
     def low_float(w: torch.Tensor) -> torch.Tensor:
         lo = w & 0xFFFFFFFF
@@ -347,7 +347,7 @@ def _hard_values(table: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
     from gefen_kernels.ops._decision_table import _from_key, bucket_key_ranges
 
     lo, hi = bucket_key_ranges()
-    head = table[0::2].cpu()
+    head = table[:4096].cpu()
     lo32 = head & 0xFFFFFFFF
     thresholds = torch.where(lo32 >= 2**31, lo32 - 2**32, lo32).to(torch.int32).view(
         torch.float32)

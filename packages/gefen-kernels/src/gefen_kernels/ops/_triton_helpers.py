@@ -18,6 +18,8 @@ from .._triton import gather_supported, interpret_mode, jit, tl
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 # First pair entry of the packed kernel table (_search_table.KERNEL_PAIRS_OFFSET).
 PAIRS_OFFSET = tl.constexpr(4097) if tl is not None else 4097
+# First pair word of the decision table (_decision_table: 4096 head words, then the pairs).
+DECISION_PAIRS = tl.constexpr(4096) if tl is not None else 4096
 # Whether kernels run in Triton's interpreter (fixed at import, as Triton itself does).
 INTERPRETED = tl.constexpr(interpret_mode()) if tl is not None else interpret_mode()
 # Whether tl_codewords gathers from registers (the Triton versions that compile it).
@@ -151,14 +153,14 @@ def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
     """
     if STEPS < 0:
         b = _bucket(x)
-        head = tl.load(table_ptr + 2 * b)
+        head = tl.load(table_ptr + b)
         up = x > _low_float(head)
         codes = (head >> 32).to(tl.int32)
         q = tl.where(up, (codes >> 8) & 255, codes & 255)
         if GATHER:
             cq = tl_codewords(cb_ptr, q)
         else:
-            pair = tl.load(table_ptr + (2 * b + 1))
+            pair = tl.load(table_ptr + (DECISION_PAIRS + b))
             cq = tl.where(up, _high_float(pair), _low_float(pair))
     else:
         left, right, c_left, c_right = tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS)

@@ -1,6 +1,6 @@
 """Triton launches of one grouped fused step, by kernel, without running them (diagnostic, CPU).
 
-    CUDA_VISIBLE_DEVICES= python scripts/launch_count.py [--model llama]   # no interpreter
+    PYTHONPATH=<packages>/src:scripts CUDA_VISIBLE_DEVICES= python scripts/launch_count.py
 
 Plans every tensor of a full-size ``gefen_bench.param_sets`` parameter set (bf16; uninitialised
 CPU memory, never touched, so the 1.5e9-parameter Llama set costs little RAM) with fixed
@@ -23,12 +23,12 @@ from collections import Counter
 from typing import Any
 
 import torch
+from kernel_sweep import diagnostic_plan
 from triton.runtime.jit import JITFunction
 
 import gefen_kernels.ops.step_groups as step_groups
 from gefen_bench.param_sets import gpt2_shapes, llama_shapes
 from gefen_kernels.ops import _dispatch
-from gefen_kernels.ops.step_plan import StepPlan
 
 # (gefen_kernels.ops exports a function of this name: import the module by path.)
 factored_step = importlib.import_module("gefen_kernels.ops.factored_step")
@@ -65,23 +65,7 @@ def main() -> None:
         sq = None if factored else torch.empty(n // period, 1)
         row = torch.empty(shape[0]) if factored else None
         col = torch.empty(shape[1]) if factored else None
-        plans.append(
-            StepPlan(
-                param,
-                codes,
-                scale,
-                sq,
-                row,
-                col,
-                codebook,
-                beta1=0.9,
-                beta2=0.999,
-                eps=1e-8,
-                maximize=False,
-                stochastic_round=False,
-                capturable=False,
-            )
-        )
+        plans.append(diagnostic_plan(param, codes, scale, sq, row, col, codebook))
         grads.append(torch.empty(shape, dtype=torch.bfloat16))
         keep.append((param, codes, scale, sq, row, col))
     routes = Counter(p.route for p in plans)

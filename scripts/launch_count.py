@@ -5,7 +5,8 @@
 Plans every tensor of a full-size ``gefen_bench.param_sets`` parameter set (bf16; uninitialised
 CPU memory, never touched, so the 1.5e9-parameter Llama set costs little RAM) with fixed
 periods close to those ``gefen-bench step`` found on an H200 (2-D tensors: 8192 for 8192
-columns, else their column count up to 2048; 1-D tensors: their length up to 2048). It
+columns, else their column count up to 2048; 1-D tensors: their length up to 2048; the
+whole last dimension where that would not tile it). It
 groups the plans as the optimizer's eager fused path does
 (:class:`gefen_kernels.ops.step_groups.StepGroups`), with Triton's interpreter off and the
 launchers' device check patched as ``tests/compile_check.py`` does, and counts the Triton
@@ -35,9 +36,10 @@ factored_step = importlib.import_module("gefen_kernels.ops.factored_step")
 
 
 def _period(shape: tuple[int, ...]) -> int:
-    if len(shape) == 1:
-        return min(shape[0], 2048)
-    return 8192 if shape[1] == 8192 else min(shape[1], 2048)
+    last = shape[-1]
+    period = 8192 if len(shape) == 2 and last == 8192 else min(last, 2048)
+    # A block must tile the tensor: else the whole last dimension.
+    return period if last % period == 0 else last
 
 
 def main() -> None:

@@ -401,6 +401,29 @@ def scenarios() -> Iterator[Callable[[], None]]:
                                      use_table=use_table)
         yield run_mt
     _search_table._CACHE.clear()
+    # The first step's kernels: the period scores (both variants; several chunks, so the
+    # carries' and the predecessor's variants) and the histogram (both routes).
+    from gefen_kernels.ops import period_scores as ps_mod
+    from gefen_kernels.ops.histogram import histogram_triton
+
+    for variant in ("log_contrast", "variance"):
+        def run_ps(variant: str = variant) -> None:
+            original = ps_mod._CHUNK_TRITON
+            ps_mod._CHUNK_TRITON = 4096
+            try:
+                for n in (12, 3 * 4096 * 5):
+                    g = torch.zeros(n, dtype=torch.bfloat16)
+                    cands = [p for p in range(1, n) if n % p == 0 and n // p >= 2][:40]
+                    ps_mod.period_scores_triton(g, torch.tensor(cands), variant)
+            finally:
+                ps_mod._CHUNK_TRITON = original
+        yield run_ps
+    for gdt in gdtypes:
+        def run_hist(gdt: torch.dtype = gdt) -> None:
+            for n, period, route in ((64 * 48, 48, None), (3 * 5003, 5003, None),
+                                     (2 * 4099, 4099, "split")):
+                histogram_triton(torch.zeros(n, dtype=gdt), period, _route=route)
+        yield run_hist
 
 
 def _group_launch(cases: list[tuple[tuple[int, ...], int]], pdt: torch.dtype,

@@ -16,7 +16,8 @@ from gefen_kernels.ops.histogram import (
 )
 
 CASES = [(1, 1), (4097, 1), (4097, 4097), (8191, 1), (2 * 7, 7), (64 * 5, 64), (1024 * 3, 1024),
-         (2048 * 2, 2048), (4096 * 2, 4096), (8192 * 3, 8192), (65521, 65521)]
+         (2048 * 2, 2048), (4096 * 2, 4096), (8192 * 3, 8192), (65521, 65521),
+         (16 * 5123, 16)]  # the last: more tiles than the interpreter's 3 persistent programs
 
 
 @pytest.mark.parametrize("numel,period", CASES)

@@ -155,6 +155,42 @@ def test_triton_matches_reference(monkeypatch: pytest.MonkeyPatch, variant: str,
     np.testing.assert_allclose(got.cpu().numpy(), ref.cpu().numpy(), rtol=1e-9, atol=1e-12)
 
 
+@needs_triton
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+@pytest.mark.parametrize("chunk,cols", [(1, 5), (7, 10), (64, 30), (100, 30), (1500, 250)])
+def test_triton_chunking_does_not_change_scores(monkeypatch: pytest.MonkeyPatch, variant: str,
+                                                chunk: int, cols: int) -> None:
+    # The carries of the Triton path: blocks straddling chunks, blocks longer than a chunk,
+    # chunks of one element, chunks that end inside a tile and span several tiles.
+    g = _grad(12, cols, seed=3, kind="row_scaled")
+    cands = divisors(g.numel(), variant)
+    monkeypatch.setattr(ps_mod, "_CHUNK_TRITON", chunk)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = period_scores_triton(g.to(dev), torch.tensor(cands), variant)
+    np.testing.assert_allclose(got.cpu().numpy(), naive_scores(g, cands, variant), rtol=1e-9,
+                               atol=1e-12)
+
+
+@needs_triton
+def test_triton_subsets_and_non_finite_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ps_mod, "_CHUNK_TRITON", 100)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = _grad(8, 30, seed=9, kind="iid").to(dev)
+    for variant, cands in (("log_contrast", [2, 3, 24, 40]), ("log_contrast", [1]),
+                           ("variance", [1]), ("variance", [5, 6, 240]), ("variance", [])):
+        got = period_scores_triton(g, torch.tensor(cands, dtype=torch.int64), variant)
+        np.testing.assert_allclose(got.cpu().numpy(), naive_scores(g, cands, variant),
+                                   rtol=1e-9, atol=1e-12)
+    g[100] = float("nan")
+    for variant in ("log_contrast", "variance"):
+        for cands in ([1, 2, 5, 60], [1], [3]):
+            got = period_scores_triton(g, torch.tensor(cands), variant)
+            if variant == "variance" and cands == [3]:
+                assert torch.isnan(got).all()
+            else:
+                assert not torch.isfinite(got).any(), (variant, cands, got)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["log_contrast", "variance"])
 def test_triton_full_size_on_gpu(variant: str) -> None:

@@ -27,22 +27,22 @@ Non-finite input is not an error here: a NaN or Inf gradient (or, for Variant L,
 overflows fp32) makes every score that covers it non-finite, ``S(1)`` and ``E(1)`` included;
 ``gefen_core.period.search_period`` turns that into an error.
 
-The Triton path computes the transform and the chunk-local prefix sums in one kernel (fp64 tile
-scans plus fp64 tile offsets); gathering block ends and the per-candidate reductions are shared
-with the reference. Scores agree with the reference to fp64 rounding (the scan order differs).
+The Triton path (:mod:`._period_kernels`) forms the same chunk-local prefix sums (fp64 tile scans
+plus fp64 tile offsets) and computes every candidate's block sums and terms with the same
+expressions in three kernels per chunk, without the reference's per-chunk torch glue. Scores
+agree with the reference to fp64 rounding (the terms are added in another fixed order).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from .. import _validation as V
-from .._triton import jit, require_triton, tl, triton
+from .._triton import require_triton
 from ._dispatch import check_device_for_triton, use_triton
-from ._triton_helpers import LAUNCH_OPTIONS
+from ._period_kernels import TILE as _KERNEL_TILE
+from ._period_kernels import scores_triton
 
 __all__ = [
     "LOG_EPS",
@@ -60,8 +60,8 @@ LOG_EPS = 1e-12
 # Elements per chunk: bounds the fp64 scratch (prefix sums and gathered block ends) to a few
 # tens of MiB whatever the tensor size.
 _CHUNK_REFERENCE = 1 << 19
-_CHUNK_TRITON = 1 << 21
-_TILE = 1024  # elements per Triton program (one fp64 scan each)
+_CHUNK_TRITON = 1 << 23  # _period_kernels: no per-block-end temporaries, 64 MiB of fp64 scans
+_TILE = _KERNEL_TILE  # elements per tile scan, as the Triton path's: the same prefix sums
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,65 +146,6 @@ def _transform_reference(chunk: Tensor, variant: str) -> tuple[Tensor, Tensor]:
     return values, prefix
 
 
-@jit
-def _period_prefix_kernel(g_ptr, val_ptr, pre_ptr, tot_ptr, n, stride_a,
-                          LOG_CONTRAST: tl.constexpr, TILE: tl.constexpr):
-    """Transform one tile of a chunk and scan it in fp64.
-
-    g_ptr: ``[n]`` contiguous fp32/bf16/fp16 (converted to fp32). val_ptr: fp64 ``[stride_a]``,
-    written for LOG_CONTRAST only: ``x = ln(f32(g*g) + 1e-12)`` (the ``p = 1`` score needs the
-    values; Variant V rows are ``y = g^2`` in fp64 and ``y^2``). pre_ptr: fp64
-    ``[A, stride_a]``, the tile-local *inclusive* prefix of each row. tot_ptr: fp64
-    ``[A, num_tiles]``, each tile's total. TILE: elements per program (power of two). Offsets
-    are int64. Padding lanes contribute 0.
-    """
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * TILE + tl.arange(0, TILE).to(tl.int64)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    num_tiles = tl.num_programs(0)
-    if LOG_CONTRAST:
-        sq = g * g
-        x = tl.log(sq.to(tl.float64) + 1e-12)
-        x = tl.where(mask, x, 0.0)
-        tl.store(val_ptr + offs, x, mask=mask)
-        px = tl.cumsum(x, axis=0)
-        tl.store(pre_ptr + offs, px, mask=mask)
-        tl.store(tot_ptr + pid, tl.sum(x, axis=0))
-    else:
-        g64 = g.to(tl.float64)
-        y = g64 * g64
-        y2 = y * y
-        tl.store(pre_ptr + offs, tl.cumsum(y, axis=0), mask=mask)
-        tl.store(pre_ptr + stride_a + offs, tl.cumsum(y2, axis=0), mask=mask)
-        tl.store(tot_ptr + pid, tl.sum(y, axis=0))
-        tl.store(tot_ptr + num_tiles + pid, tl.sum(y2, axis=0))
-
-
-def _transform_triton(chunk: Tensor, variant: str) -> tuple[Tensor, Tensor]:
-    """Triton twin of :func:`_transform_reference` (tile scans, then fp64 tile offsets)."""
-    if chunk.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        chunk = chunk.to(torch.float32)  # fp64 gradients: the transform starts from fp32 anyway
-    n = chunk.numel()
-    rows = 1 if variant == "log_contrast" else 2
-    num_tiles = triton.cdiv(n, _TILE)
-    padded = num_tiles * _TILE
-    values = torch.empty(1, padded if rows == 1 else 1, dtype=torch.float64,
-                         device=chunk.device)
-    prefix = torch.zeros(rows, padded + 1, dtype=torch.float64, device=chunk.device)
-    # The kernel writes the inclusive tile scans at [1 : padded + 1], i.e. the exclusive prefix.
-    scan = prefix[:, 1:]
-    totals = torch.empty(rows, num_tiles, dtype=torch.float64, device=chunk.device)
-    # One row stride for both outputs: the kernel indexes row 1 as base + stride_a.
-    scan_rows = torch.empty(rows, padded, dtype=torch.float64, device=chunk.device)
-    _period_prefix_kernel[(num_tiles,)](chunk, values, scan_rows, totals, n, padded,
-                                        LOG_CONTRAST=variant == "log_contrast", TILE=_TILE,
-                                        num_warps=4, **LAUNCH_OPTIONS)
-    offsets = torch.cumsum(totals, dim=1) - totals  # exclusive, fp64, in tile order
-    scan.copy_((scan_rows.view(rows, num_tiles, _TILE) + offsets.unsqueeze(2)).view(rows, -1))
-    return (values[:, :n] if rows == 1 else values), prefix[:, :n + 1]
-
-
 # --------------------------------------------------------------------------------------------
 # Scores from chunk-local prefix sums (shared by both paths)
 # --------------------------------------------------------------------------------------------
@@ -216,8 +157,7 @@ def _host_to_device(values: list[int], device: torch.device) -> Tensor:
     return host.to(device)
 
 
-def _scores(grad: Tensor, cands: list[int], variant: str, chunk: int,
-            transform: Callable[[Tensor, str], tuple[Tensor, Tensor]]) -> Tensor:
+def _scores(grad: Tensor, cands: list[int], variant: str, chunk: int) -> Tensor:
     dev = grad.device
     numel = grad.numel()
     out = torch.empty(len(cands), dtype=torch.float64, device=dev)
@@ -243,7 +183,7 @@ def _scores(grad: Tensor, cands: list[int], variant: str, chunk: int,
 
     for start in range(0, numel, chunk):
         n = min(chunk, numel - start)
-        values, prefix = transform(flat[start:start + n], variant)
+        values, prefix = _transform_reference(flat[start:start + n], variant)
         total = prefix[:, n]
         if has_one:
             if log_contrast:
@@ -335,7 +275,7 @@ def period_scores_reference(grad: Tensor, candidates: Tensor, variant: str) -> T
     """
     _check_meta(grad, candidates, variant)
     cands = _host_candidates(grad, candidates, variant)
-    return _scores(grad, cands, variant, _CHUNK_REFERENCE, _transform_reference)
+    return _scores(grad, cands, variant, _CHUNK_REFERENCE)
 
 
 def period_scores_triton(grad: Tensor, candidates: Tensor, variant: str) -> Tensor:
@@ -350,7 +290,7 @@ def period_scores_triton(grad: Tensor, candidates: Tensor, variant: str) -> Tens
     require_triton("period_scores (Triton path)")
     check_device_for_triton(grad)
     cands = _host_candidates(grad, candidates, variant)
-    return _scores(grad, cands, variant, _CHUNK_TRITON, _transform_triton)
+    return scores_triton(grad, cands, variant, _CHUNK_TRITON)
 
 
 # --------------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ import torch  # noqa: E402
 
 _TORCH_TO_TRITON = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-    torch.float64: "fp64", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64",
+    torch.float64: "fp64", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32",
+    torch.int64: "i64",
 }
 
 STAGES = ("ir", "ttir", "ttgir", "llir", "ptx", "cubin")
@@ -422,7 +423,12 @@ def scenarios() -> Iterator[Callable[[], None]]:
         def run_hist(gdt: torch.dtype = gdt) -> None:
             for n, period, route in ((64 * 48, 48, None), (3 * 5003, 5003, None),
                                      (2 * 4099, 4099, "split")):
-                histogram_triton(torch.zeros(n, dtype=gdt), period, _route=route)
+                try:
+                    histogram_triton(torch.zeros(n, dtype=gdt), period, _route=route)
+                except RuntimeError as err:
+                    # The kernels were recorded, not run: bincount then reads unwritten bins.
+                    if "bincount" not in str(err):
+                        raise
         yield run_hist
 
 

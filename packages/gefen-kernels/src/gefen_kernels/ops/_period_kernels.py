@@ -224,13 +224,31 @@ def scores_triton(grad: Tensor, cands: list[int], variant: str, chunk: int) -> T
     # block's sum [K], whether one exists [K], the score sums [K], the p = 1 sum [1].
     state = torch.zeros(rows * kk + 3 * kk + 1, dtype=torch.float64, device=dev)
     open_sum, last_sum, closed, acc, one_acc = state.split([rows * kk, kk, kk, kk, 1])
-    cand_dev = _to_device(ps or [1], dev)
     span = min(chunk, numel)
     max_tiles = triton.cdiv(span, TILE)
     scan = torch.empty(rows, max_tiles * TILE, dtype=torch.float64, device=dev)
     totals = torch.empty(rows, max_tiles, dtype=torch.float64, device=dev)
     one_parts = torch.empty(max_tiles if log_contrast else 1, dtype=torch.float64, device=dev)
-    for start in range(0, numel, chunk):
+    # Each chunk's table, int64 [3, K]: every candidate's block ends in [start, start + n)
+    # start at local position p - start % p (in 1..p), then every p; its terms programs follow
+    # the previous candidate's. All tables and the candidates go in one asynchronous copy.
+    starts = list(range(0, numel, chunk))
+    host = list(ps) if k else [1]
+    parts_per_chunk = []
+    for start in starts:
+        n = min(chunk, numel - start)
+        firsts = [p - start % p for p in ps]
+        counts = [0 if f > n else (n - f) // p + 1 for f, p in zip(firsts, ps)]
+        progs, num_parts = [], 0
+        for cnt in counts:
+            progs.append(num_parts)
+            num_parts += -(-cnt // ENDS_PER_PROGRAM)
+        host += (firsts + counts + progs) if k else [1, 0, 0]
+        parts_per_chunk.append(num_parts)
+    tables = _to_device(host, dev)
+    cand_dev = tables[:kk]
+    parts = torch.empty(max(max(parts_per_chunk), 1), dtype=torch.float64, device=dev)
+    for i, (start, num_parts) in enumerate(zip(starts, parts_per_chunk)):
         n = min(chunk, numel - start)
         num_tiles = triton.cdiv(n, TILE)
         stride_a = num_tiles * TILE
@@ -242,16 +260,7 @@ def scores_triton(grad: Tensor, cands: list[int], variant: str, chunk: int) -> T
                                             **LAUNCH_OPTIONS)
         tot2 = tot.view(rows, num_tiles)
         offsets = torch.cumsum(tot2, dim=1).sub_(tot2)  # exclusive, fp64, in tile order
-        # Each candidate's block ends in [start, start + n): the first at local position
-        # p - start % p (in 1..p), then every p; its terms programs follow the previous one's.
-        firsts = [p - start % p for p in ps]
-        counts = [0 if f > n else (n - f) // p + 1 for f, p in zip(firsts, ps)]
-        progs, num_parts = [], 0
-        for cnt in counts:
-            progs.append(num_parts)
-            num_parts += -(-cnt // ENDS_PER_PROGRAM)
-        parts = torch.empty(max(num_parts, 1), dtype=torch.float64, device=dev)
-        table = _to_device((firsts + counts + progs) if k else [1, 0, 0], dev)
+        table = tables[kk + 3 * kk * i:kk + 3 * kk * (i + 1)]
         args = (pre, offsets, cand_dev, table, open_sum, last_sum, closed, parts)
         if num_parts:
             _period_terms_kernel[(num_parts,)](*args, k, stride_a, num_tiles,

@@ -9,7 +9,6 @@ the block) are skipped entirely (non-finite policy O9, :mod:`gefen_kernels._nume
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -86,39 +85,29 @@ def histogram_reference(grad: Tensor, period: int) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Triton kernels: tile route (whole blocks per program) and split route (long blocks)
+# Triton kernels: each element's bin index (tile route: whole blocks per program; split route:
+# long blocks), counted by torch.bincount
 # --------------------------------------------------------------------------------------------
+# Why not tl.histogram: with 4096 bins its lowering costs about 56 warp instructions per
+# element (a ballot per index bit, then every lane walks its 128 bins), which made the
+# histogram most of the first step's GPU time (H200, Llama-3.2-1B shapes: 172 ms).
+# torch.bincount counts in shared memory with integer atomics: exact, order-independent.
 
 _HIST_TILE = 2048  # elements per program (tile route) / per iteration (split route)
 _HIST_TILE_MAX_PERIOD = 4096
-_HIST_SPLIT = 16384  # elements of one block per slice (split route)
-_PROGRAMS_PER_SM = 4  # persistent histogram programs per SM
+_HIST_SPLIT = 16384  # elements of one block per program (split route)
+_HIST_CHUNK = 1 << 25  # elements of bin indices per bincount (int16: 64 MiB)
 
 
 @jit
-def _bin_counts(g, amax, valid, NUM_BINS: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``(hist, invalid)``: int32 ``[NUM_BINS]`` counts of fp32 ``g`` normalised by ``amax``
-    (broadcastable) with every element binned, and how many of them are not ``valid``.
-
-    Invalid elements are binned into bin 0 and subtracted when the counts are flushed
-    (``tl.histogram`` has no mask before Triton 3.4, and a second, overflow half would double
-    its registers)."""
+def _bin_index(g, amax, valid, NUM_BINS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """int16 bin of fp32 ``g`` normalised by ``amax`` (broadcastable); ``NUM_BINS`` (the
+    overflow bin, dropped) where not ``valid``."""
     positive = amax > 0
     z = tl.where(positive, tl.math.div_rn(g, tl.where(positive, amax, 1.0)), 0.0)
     idx = tl.floor((z + 1.0) * (NUM_BINS // 2))
     idx = tl.minimum(tl.maximum(idx, 0.0), NUM_BINS - 1.0).to(tl.int32)
-    idx = tl.where(valid, idx, 0)
-    hist = tl.histogram(tl.reshape(idx, [N]), NUM_BINS)
-    return hist, N - tl.sum(tl.reshape(valid, [N]).to(tl.int32), axis=0)
-
-
-@jit
-def _flush(counts_ptr, hist, invalid, NUM_BINS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Add one program's counts to the int64 ``counts_ptr[NUM_BINS]`` (order-independent
-    integer atomics, once per program: per tile, they were most of the kernel's time)."""
-    bins = tl.arange(0, NUM_BINS)
-    hist = tl.where(bins == 0, hist - invalid, hist)
-    tl.atomic_add(counts_ptr + bins, hist.to(tl.int64), mask=hist > 0, sem="relaxed")
+    return tl.where(valid, idx, NUM_BINS).to(tl.int16)
 
 
 @jit
@@ -133,29 +122,20 @@ def _not_finite(x):
 
 
 @jit
-def _histogram_tile_kernel(g_ptr, counts_ptr, num_blocks, period, num_tiles,  # type: ignore[no-untyped-def]
-                           BPP: tl.constexpr, P2: tl.constexpr, NUM_BINS: tl.constexpr):
-    """Tile route: tiles of ``BPP`` whole blocks (``[BPP, P2]``, ``P2`` = next pow2 >=
-    period), tiles ``pid, pid + programs, ...`` per program; g_ptr fp32/bf16/fp16 ``[N]``;
-    counts_ptr int64 ``[NUM_BINS]``."""
-    hist = tl.zeros([NUM_BINS], dtype=tl.int32)
-    invalid = tl.sum(hist, axis=0)
+def _histogram_tile_kernel(g_ptr, idx_ptr, num_blocks, period, BPP: tl.constexpr,  # type: ignore[no-untyped-def]
+                           P2: tl.constexpr, NUM_BINS: tl.constexpr):
+    """Tile route: ``BPP`` whole blocks (``[BPP, P2]``, ``P2`` = next pow2 >= period) per
+    program; g_ptr fp32/bf16/fp16 ``[N]``; idx_ptr int16 ``[N]``, each element's bin."""
+    pid = tl.program_id(0).to(tl.int64)
+    blocks = pid * BPP + tl.arange(0, BPP).to(tl.int64)
     cols = tl.arange(0, P2).to(tl.int64)
-    tile = tl.program_id(0).to(tl.int64)
-    # while, not range(): Triton 3.3's interpreter cannot take a runtime loop bound.
-    while tile < num_tiles:
-        blocks = tile * BPP + tl.arange(0, BPP).to(tl.int64)
-        mask = (blocks < num_blocks)[:, None] & (cols < period)[None, :]
-        g = tl.load(g_ptr + blocks[:, None] * period + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(g), axis=1)
-        bad = tl.max((mask & _not_finite(g)).to(tl.int32), axis=1)
-        tile_hist, tile_invalid = _bin_counts(g, amax[:, None], mask & (bad == 0)[:, None],
-                                              NUM_BINS, BPP * P2)
-        hist += tile_hist
-        invalid += tile_invalid
-        tile += tl.num_programs(0)
-    _flush(counts_ptr, hist, invalid, NUM_BINS)
+    mask = (blocks < num_blocks)[:, None] & (cols < period)[None, :]
+    offs = blocks[:, None] * period + cols[None, :]
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(g), axis=1)
+    bad = tl.max((mask & _not_finite(g)).to(tl.int32), axis=1)
+    tl.store(idx_ptr + offs, _bin_index(g, amax[:, None], (bad == 0)[:, None], NUM_BINS),
+             mask=mask)
 
 
 @jit
@@ -177,48 +157,54 @@ def _histogram_partial_max_kernel(g_ptr, part_ptr, period, num_splits, SPLIT: tl
 
 
 @jit
-def _histogram_split_kernel(g_ptr, amax_ptr, counts_ptr, period, num_splits, num_items,  # type: ignore[no-untyped-def]
+def _histogram_split_kernel(g_ptr, amax_ptr, idx_ptr, period, num_splits,  # type: ignore[no-untyped-def]
                             SPLIT: tl.constexpr, TILE: tl.constexpr, NUM_BINS: tl.constexpr):
-    """Split route, phase 2: bin slices ``pid, pid + programs, ...`` (slice ``i`` is split
-    ``i % num_splits`` of block ``i // num_splits``) with their block's max; a block whose max
-    is not finite is skipped."""
-    hist = tl.zeros([NUM_BINS], dtype=tl.int32)
-    invalid = tl.sum(hist, axis=0)
+    """Split route, phase 2: the bins of one slice of a block with the block's max (the
+    overflow bin for a block whose max is not finite)."""
+    pid = tl.program_id(0).to(tl.int64)
+    block = pid // num_splits
+    split = pid % num_splits
     lanes = tl.arange(0, TILE).to(tl.int64)
-    item = tl.program_id(0).to(tl.int64)
-    while item < num_items:
-        block = item // num_splits
-        split = item % num_splits
-        amax = tl.load(amax_ptr + block)
-        if amax != float("inf"):
-            for start in range(0, SPLIT, TILE):
-                pos = split * SPLIT + start + lanes
-                mask = pos < period
-                g = tl.load(g_ptr + block * period + pos, mask=mask, other=0.0).to(tl.float32)
-                tile_hist, tile_invalid = _bin_counts(g, amax, mask, NUM_BINS, TILE)
-                hist += tile_hist
-                invalid += tile_invalid
-        item += tl.num_programs(0)
-    _flush(counts_ptr, hist, invalid, NUM_BINS)
+    amax = tl.load(amax_ptr + block)
+    for start in range(0, SPLIT, TILE):
+        pos = split * SPLIT + start + lanes
+        mask = pos < period
+        offs = block * period + pos
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(idx_ptr + offs, _bin_index(g, amax, amax != float("inf"), NUM_BINS),
+                 mask=mask)
 
 
-def _programs(work: int, device: torch.device) -> int:
-    """Programs of a persistent histogram launch: a few per SM on a GPU (each flushes its
-    counts once), 3 for CPU tensors (the interpreter: so that the tests take the loop). Counts
-    are integers: the result does not depend on this."""
-    if device.type != "cuda":
-        return min(work, 3)
-    return min(work, _PROGRAMS_PER_SM * _sm_count(device))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _index_chunk(flat: Tensor, idx: Tensor, num_blocks: int, period: int, route: str,
+                 split_elements: int) -> None:
+    """Write the bin of every element of ``flat`` (``num_blocks`` whole blocks) into ``idx``."""
+    if route == "tile":
+        p2 = 1 << max(0, (period - 1).bit_length())
+        bpp = max(1, program_elements(_HIST_TILE) // p2)
+        _histogram_tile_kernel[(triton.cdiv(num_blocks, bpp),)](
+            flat, idx, num_blocks, period, BPP=bpp, P2=p2, NUM_BINS=HISTOGRAM_BINS,
+            num_warps=8, **LAUNCH_OPTIONS)
+        return
+    num_splits = triton.cdiv(period, split_elements)
+    tile = min(_HIST_TILE, split_elements)
+    part = torch.empty(num_blocks, num_splits, dtype=torch.float32, device=flat.device)
+    # One flat grid axis: CUDA caps grid y at 65535, which blocks or splits can exceed.
+    _histogram_partial_max_kernel[(num_blocks * num_splits,)](
+        flat, part, period, num_splits, SPLIT=split_elements, TILE=tile, num_warps=8,
+        **LAUNCH_OPTIONS)
+    amax = part.amax(dim=1)
+    _histogram_split_kernel[(num_blocks * num_splits,)](
+        flat, amax, idx, period, num_splits, SPLIT=split_elements, TILE=tile,
+        NUM_BINS=HISTOGRAM_BINS, num_warps=8, **LAUNCH_OPTIONS)
 
 
 def histogram_triton(grad: Tensor, period: int, *, _route: str | None = None,
                      _split_elements: int = _HIST_SPLIT) -> Tensor:
     """Triton twin of :func:`histogram_reference` (same signature, identical counts).
+
+    Whole blocks of at most ``_HIST_CHUNK`` elements (or one block) at a time: a kernel writes
+    each element's int16 bin and ``torch.bincount`` counts them (one host sync per chunk, for
+    its range check).
 
     Raises:
         ImportError: Triton is not installed. TypeError, ValueError: as the reference, plus
@@ -234,26 +220,15 @@ def histogram_triton(grad: Tensor, period: int, *, _route: str | None = None,
         grad = grad.to(torch.float32)
     flat = grad.view(-1)
     route = _route or ("tile" if period <= _HIST_TILE_MAX_PERIOD else "split")
-    if route == "tile":
-        p2 = 1 << max(0, (period - 1).bit_length())
-        bpp = max(1, program_elements(_HIST_TILE) // p2)
-        num_tiles = triton.cdiv(num_blocks, bpp)
-        _histogram_tile_kernel[(_programs(num_tiles, grad.device),)](
-            flat, counts, num_blocks, period, num_tiles, BPP=bpp, P2=p2,
-            NUM_BINS=HISTOGRAM_BINS, num_warps=8, **LAUNCH_OPTIONS)
-        return counts
-    num_splits = triton.cdiv(period, _split_elements)
-    tile = min(_HIST_TILE, _split_elements)
-    part = torch.empty(num_blocks, num_splits, dtype=torch.float32, device=grad.device)
-    # One flat grid axis: CUDA caps grid y at 65535, which blocks or splits can exceed.
-    _histogram_partial_max_kernel[(num_blocks * num_splits,)](
-        flat, part, period, num_splits, SPLIT=_split_elements, TILE=tile, num_warps=8,
-        **LAUNCH_OPTIONS)
-    amax = part.amax(dim=1)
-    num_items = num_blocks * num_splits
-    _histogram_split_kernel[(_programs(num_items, grad.device),)](
-        flat, amax, counts, period, num_splits, num_items, SPLIT=_split_elements, TILE=tile,
-        NUM_BINS=HISTOGRAM_BINS, num_warps=8, **LAUNCH_OPTIONS)
+    per_chunk = max(1, _HIST_CHUNK // period)  # whole blocks per chunk
+    idx = torch.empty(min(num_blocks, per_chunk) * period, dtype=torch.int16,
+                      device=grad.device)
+    for first in range(0, num_blocks, per_chunk):
+        nb = min(per_chunk, num_blocks - first)
+        n = nb * period
+        _index_chunk(flat[first * period:first * period + n], idx, nb, period, route,
+                     _split_elements)
+        counts += torch.bincount(idx[:n], minlength=HISTOGRAM_BINS + 1)[:HISTOGRAM_BINS]
     return counts
 
 

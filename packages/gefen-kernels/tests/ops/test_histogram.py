@@ -119,6 +119,36 @@ def test_triton_counts_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch, period: i
     assert int(got.sum()) == 8 * period
 
 
+@pytest.mark.parametrize("chunk", [100, 1000, 1 << 25])
+def test_triton_counts_share_bincount_buffers(monkeypatch: pytest.MonkeyPatch,
+                                              chunk: int) -> None:
+    # histogram_sum's batched Triton path: bins of several tensors (both routes, three
+    # dtypes, a non-finite block, a block longer than the buffer) in shared buffers.
+    mod = importlib.import_module("gefen_kernels.ops.histogram")
+    monkeypatch.setattr(mod, "_HIST_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(chunk)
+    items = [(torch.randn(12, 48, generator=gen).reshape(-1), 48),
+             (torch.randn(3 * 5003, generator=gen).to(torch.bfloat16), 5003),
+             (torch.randn(70, generator=gen).to(torch.float16), 7),
+             (torch.randn(2 * 4099, generator=gen), 4099)]
+    items[0][0][50] = float("nan")
+    items = [(g.to(_device()), p) for g, p in items]
+    got = mod._triton_counts(items, torch.device(_device()), split_elements=1024)
+    want = sum(histogram_reference(g, p) for g, p in items)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_histogram_sum_batches_cuda_tensors_gpu() -> None:
+    grads = [torch.randn(n, device="cuda").to(dt) for n, dt in
+             ((768 * 2304, torch.bfloat16), (768, torch.float32), (50257 * 768, torch.bfloat16),
+              (4096 * 3, torch.float16))]
+    periods = [768, 768, 768, 4096]
+    grads[1][3] = float("inf")
+    want = sum(histogram_reference(g, p).cpu() for g, p in zip(grads, periods))
+    assert torch.equal(histogram_sum(grads, periods), want)
+
+
 def test_public_op() -> None:
     g = torch.randn(640)
     assert torch.equal(histogram(g, 64), histogram_reference(g, 64))

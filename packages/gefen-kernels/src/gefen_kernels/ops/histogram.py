@@ -198,6 +198,47 @@ def _index_chunk(flat: Tensor, idx: Tensor, num_blocks: int, period: int, route:
         NUM_BINS=HISTOGRAM_BINS, num_warps=8, **LAUNCH_OPTIONS)
 
 
+def _triton_counts(items: Sequence[tuple[Tensor, int]], device: torch.device, *,
+                   route: str | None = None, split_elements: int = _HIST_SPLIT) -> Tensor:
+    """Summed counts of checked, contiguous, non-empty ``(grad, period)`` pairs on one device.
+
+    The bins of whole blocks (one block at least) go into a shared int16 buffer of up to
+    ``_HIST_CHUNK`` elements, and ``torch.bincount`` counts each filled buffer: one host sync
+    (bincount's range check) per buffer, not per tensor.
+    """
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device)
+    total = sum(g.numel() for g, _ in items)
+    buf = torch.empty(min(total, _HIST_CHUNK), dtype=torch.int16, device=device)
+    used = 0
+    for grad, period in items:
+        if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            grad = grad.to(torch.float32)
+        flat = grad.view(-1)
+        num_blocks = flat.numel() // period
+        chosen = route or ("tile" if period <= _HIST_TILE_MAX_PERIOD else "split")
+        per_chunk = max(1, _HIST_CHUNK // period)  # whole blocks per chunk
+        for first in range(0, num_blocks, per_chunk):
+            nb = min(per_chunk, num_blocks - first)
+            n = nb * period
+            if used + n > buf.numel():
+                if used:
+                    counts += _bincount(buf[:used])
+                    used = 0
+                if n > buf.numel():  # one block longer than the buffer
+                    buf = torch.empty(n, dtype=torch.int16, device=device)
+            _index_chunk(flat[first * period:first * period + n], buf[used:used + n], nb,
+                         period, chosen, split_elements)
+            used += n
+    if used:
+        counts += _bincount(buf[:used])
+    return counts
+
+
+def _bincount(bins: Tensor) -> Tensor:
+    """int64 ``[4096]`` counts of int16 ``bins`` (the overflow bin ``4096`` dropped)."""
+    return torch.bincount(bins, minlength=HISTOGRAM_BINS + 1)[:HISTOGRAM_BINS]
+
+
 def histogram_triton(grad: Tensor, period: int, *, _route: str | None = None,
                      _split_elements: int = _HIST_SPLIT) -> Tensor:
     """Triton twin of :func:`histogram_reference` (same signature, identical counts).
@@ -210,26 +251,13 @@ def histogram_triton(grad: Tensor, period: int, *, _route: str | None = None,
         ImportError: Triton is not installed. TypeError, ValueError: as the reference, plus
             non-CUDA tensors outside the interpreter.
     """
-    num_blocks = _check(grad, period)
+    _check(grad, period)
     require_triton("the Triton histogram")
     check_device_for_triton(grad)
-    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=grad.device)
     if grad.numel() == 0:
-        return counts
-    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        grad = grad.to(torch.float32)
-    flat = grad.view(-1)
-    route = _route or ("tile" if period <= _HIST_TILE_MAX_PERIOD else "split")
-    per_chunk = max(1, _HIST_CHUNK // period)  # whole blocks per chunk
-    idx = torch.empty(min(num_blocks, per_chunk) * period, dtype=torch.int16,
-                      device=grad.device)
-    for first in range(0, num_blocks, per_chunk):
-        nb = min(per_chunk, num_blocks - first)
-        n = nb * period
-        _index_chunk(flat[first * period:first * period + n], idx, nb, period, route,
-                     _split_elements)
-        counts += torch.bincount(idx[:n], minlength=HISTOGRAM_BINS + 1)[:HISTOGRAM_BINS]
-    return counts
+        return torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=grad.device)
+    return _triton_counts([(grad, period)], grad.device, route=_route,
+                          split_elements=_split_elements)
 
 
 @torch.library.custom_op("gefen::histogram", mutates_args=())
@@ -293,13 +321,25 @@ def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
         except (TypeError, ValueError) as err:
             raise type(err)(f"grads[{idx}]: {err}") from err
     acc: dict[torch.device, Tensor] = {}
+    # The Triton path's tensors of each device share bincount buffers (_triton_counts);
+    # the others go through the op one by one.
+    batched: dict[torch.device, list[tuple[Tensor, int]]] = {}
     for grad, period, ref in zip(grads, periods, refs):
         g = grad if grad.is_contiguous() else grad.contiguous()
+        if not ref and use_triton(g) and g.numel():
+            batched.setdefault(g.device, []).append((g, period))
+            continue
         counts = (histogram_reference if ref else histogram)(g, period)
         if g.device in acc:
             acc[g.device] += counts
         else:
             acc[g.device] = counts
+    for device, items in batched.items():
+        counts = _triton_counts(items, device)
+        if device in acc:
+            acc[device] += counts
+        else:
+            acc[device] = counts
     total = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
     for counts in acc.values():
         total += counts.cpu()  # the one sync for this device

@@ -193,7 +193,11 @@ class _Launches:
         specs = self.specs
         bases = self.bases()
         rows_out: list[list[int]] = []
-        maps: dict[str, list[int]] = {"tile": [], "stats": [], "finalize": []}
+        # Programs per member of each launch; the program -> member maps are expanded in C
+        # below (Llama-3.2-1B's tile launch alone has ~730K programs: a Python list of them
+        # took tens of milliseconds of the first step).
+        counts: dict[str, list[int]] = {"tile": [], "stats": [], "finalize": []}
+        firsts = {"tile": 0, "stats": 0, "finalize": 0}
         inv_rbar_at: list[int] = []  # each member's 1/rbar, as a float index into the scratch
         offset = 0
         for local, i in enumerate(members):
@@ -204,9 +208,10 @@ class _Launches:
                 param, codes, scale, sq if sq is not None else r, k,  # type: ignore[arg-type]
                 bases, t=i, num_blocks=num_blocks, period=period,  # type: ignore[arg-type]
                 ncols=ncols, magic=magic, shift=shift, specs=(specs[0], specs[1]),
-                tile_first=len(maps["tile"]))
-            if not self.stats_only:
-                maps["tile"].extend([local] * _cdiv(num_blocks, self.consts["BPP"]))
+                tile_first=firsts["tile"])
+            n_tile = 0 if self.stats_only else _cdiv(num_blocks, self.consts["BPP"])
+            counts["tile"].append(n_tile)
+            firsts["tile"] += n_tile
             if not self.factored:
                 rows_out.append(row)
                 continue
@@ -231,22 +236,25 @@ class _Launches:
             row[_COL["ticket"]] = local
             items = stats_items_per_program(plan._stats_layout, ncols)
             row[_COL["stats_items"]] = items
-            row[_COL["stats_first"]] = len(maps["stats"])
-            maps["stats"].extend([local] * _cdiv(n_row_programs * splits, items))
-            row[_COL["finalize_first"]] = len(maps["finalize"])
-            maps["finalize"].extend(
-                [local] * max(1, _cdiv(nrows, _FIN_ROWS) + _cdiv(ncols, _FIN_COLS)))
+            row[_COL["stats_first"]] = firsts["stats"]
+            counts["stats"].append(_cdiv(n_row_programs * splits, items))
+            firsts["stats"] += counts["stats"][-1]
+            row[_COL["finalize_first"]] = firsts["finalize"]
+            counts["finalize"].append(max(1, _cdiv(nrows, _FIN_ROWS) + _cdiv(ncols, _FIN_COLS)))
+            firsts["finalize"] += counts["finalize"][-1]
             row[_COL["inv_c"]] = _f32_bits(1.0 / ncols)
             row[_COL["inv_r"]] = _f32_bits(1.0 / nrows)
             rows_out.append(row)
-        flat = maps["tile"] + maps["stats"] + maps["finalize"]
-        prog = torch.tensor(flat, dtype=torch.int32).to(device)
-        n_tile, n_stats = len(maps["tile"]), len(maps["stats"])
+        local_ids = torch.arange(len(members), dtype=torch.int32)
+        prog = torch.cat([
+            local_ids[:len(c)].repeat_interleave(torch.tensor(c, dtype=torch.int64))
+            for c in (counts["tile"], counts["stats"], counts["finalize"])]).to(device)
+        n_tile, n_stats = firsts["tile"], firsts["stats"]
         return {
             "meta": torch.tensor(rows_out, dtype=torch.int64).to(device),
             "tile": prog[:n_tile], "stats": prog[n_tile:n_tile + n_stats],
             "finalize": prog[n_tile + n_stats:], "scratch": offset, "tensors": len(members),
-            "n_tile": n_tile, "n_stats": n_stats, "n_finalize": len(maps["finalize"]),
+            "n_tile": n_tile, "n_stats": n_stats, "n_finalize": firsts["finalize"],
             "members": members, "inv_rbar_at": inv_rbar_at,
         }
 

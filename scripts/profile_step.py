@@ -83,21 +83,26 @@ def _profile(model: str, factored: bool, steps: int) -> None:
     again = Gefen(named, lr=1e-4, weight_decay=0.0, factored_v_2d=factored)
     torch.cuda.synchronize()
     pr = cProfile.Profile()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         t0 = time.perf_counter()
         pr.enable()
         again.step()
         torch.cuda.synchronize()
         pr.disable()
         second = time.perf_counter() - t0
-    print(f"--- first step of a second optimizer (kernels loaded): {second * 1e3:.1f} ms "
-          "(under both profilers)")
+    print(
+        f"--- first step of a second optimizer (kernels loaded): {second * 1e3:.1f} ms "
+        "(under both profilers)"
+    )
     t0 = time.perf_counter()
     Gefen(named, lr=1e-4, weight_decay=0.0, factored_v_2d=factored).step()
     torch.cuda.synchronize()
-    print(f"--- first step of a third optimizer, no profiler: "
-          f"{(time.perf_counter() - t0) * 1e3:.1f} ms")
+    print(
+        f"--- first step of a third optimizer, no profiler: "
+        f"{(time.perf_counter() - t0) * 1e3:.1f} ms"
+    )
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(40)
     print(s.getvalue())
@@ -111,8 +116,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,llama")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--modes", default="factored,block",
-                        help="second-moment modes, comma-separated (factored, block)")
+    parser.add_argument(
+        "--modes",
+        default="factored,block",
+        help="second-moment modes, comma-separated (factored, block)",
+    )
     args = parser.parse_args()
     for model in args.models.split(","):
         for mode in args.modes.split(","):

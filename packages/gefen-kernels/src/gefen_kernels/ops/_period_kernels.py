@@ -19,9 +19,9 @@ reference's expressions; only the order in which the terms are added differs. Pe
    one exists. It reads the carries the terms kernel read and writes them after it (stream
    order).
 
-The host computes, per chunk, each candidate's first block end and number of ends (Python
-ints, as the reference does) and sends them with one asynchronous copy; nothing is read back
-until the caller reads the scores. The reference's per-chunk torch glue (about ninety small
+The host computes each chunk's first block end and number of ends per candidate (Python
+ints, as the reference does) and sends all of them with one asynchronous copy per tensor;
+nothing is read back until the caller reads the scores. The reference's per-chunk torch glue (about ninety small
 launches) and its ``O(block ends)`` int64 temporaries are gone, so a chunk can be 8M elements
 (64 MiB of fp64 scans; 128 MiB for Variant V) instead of 2M.
 """

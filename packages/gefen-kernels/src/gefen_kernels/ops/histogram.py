@@ -289,8 +289,10 @@ def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
 
     The codebook pass of a whole model (ALGORITHM.md §1.8.1-§1.8.2): each gradient's counts are
     added into one int64 accumulator per device (exact, order-independent integer sums) and each
-    accumulator is copied to the host once, so the pass costs one device-to-host sync per
-    device rather than one per tensor.
+    accumulator is copied to the host once. On the Triton path a device's contiguous gradients
+    share int16 bin buffers of up to 32M elements, and ``torch.bincount`` adds one host sync
+    per buffer (its range check): a model's pass costs a few syncs per device, not one or two
+    per tensor.
 
     Args:
         grads: float tensors (any float dtype and device; a non-contiguous one is copied once by
@@ -325,10 +327,11 @@ def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
     # the others go through the op one by one.
     batched: dict[torch.device, list[tuple[Tensor, int]]] = {}
     for grad, period, ref in zip(grads, periods, refs):
-        g = grad if grad.is_contiguous() else grad.contiguous()
-        if not ref and use_triton(g) and g.numel():
-            batched.setdefault(g.device, []).append((g, period))
+        if not ref and use_triton(grad) and grad.numel() and grad.is_contiguous():
+            # (A contiguous copy of a strided gradient is binned now, not kept for the batch.)
+            batched.setdefault(grad.device, []).append((grad, period))
             continue
+        g = grad if grad.is_contiguous() else grad.contiguous()
         counts = (histogram_reference if ref else histogram)(g, period)
         if g.device in acc:
             acc[g.device] += counts

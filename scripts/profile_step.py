@@ -122,8 +122,11 @@ def main() -> None:
         help="second-moment modes, comma-separated (factored, block)",
     )
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if not set(modes) <= {"factored", "block"}:
+        parser.error(f"--modes takes factored and/or block, got {args.modes!r}")
     for model in args.models.split(","):
-        for mode in args.modes.split(","):
+        for mode in modes:
             _profile(model, mode == "factored", args.steps)
 
 

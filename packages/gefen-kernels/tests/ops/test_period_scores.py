@@ -6,6 +6,7 @@ gradient into ``[B, p]`` and computes block means and variances directly in floa
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import numpy as np
@@ -169,6 +170,34 @@ def test_triton_chunking_does_not_change_scores(monkeypatch: pytest.MonkeyPatch,
     got = period_scores_triton(g.to(dev), torch.tensor(cands), variant)
     np.testing.assert_allclose(got.cpu().numpy(), naive_scores(g, cands, variant), rtol=1e-9,
                                atol=1e-12)
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+def test_triton_loops_over_many_programs(monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    # The carry kernel's loops: over a candidate's many terms programs, and (p = 1) over the
+    # tiles' parts, each more than one iteration; an fp64 gradient converted chunk by chunk.
+    pk = importlib.import_module("gefen_kernels.ops._period_kernels")
+    monkeypatch.setattr(pk, "ENDS_PER_PROGRAM", 2)
+    monkeypatch.setattr(pk, "CARRY_LANES", 2)
+    monkeypatch.setattr(ps_mod, "_CHUNK_TRITON", 2500)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for dtype in (torch.float32, torch.float64):
+        g = _grad(16, 160, seed=23, kind="row_scaled", dtype=dtype)  # 3 tiles of p = 1 parts
+        cands = [1, 160, 320, 640]  # 8, 4 and 2 terms programs per candidate
+        got = period_scores_triton(g.to(dev), torch.tensor(cands), variant)
+        np.testing.assert_allclose(got.cpu().numpy(), naive_scores(g, cands, variant),
+                                   rtol=1e-9, atol=1e-12)
+
+
+@needs_triton
+def test_triton_empty_gradient_matches_reference() -> None:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for cands in ([1], [3], [1, 3]):
+        c = torch.tensor(cands)
+        got = period_scores_triton(torch.zeros(0, device=dev), c, "variance")
+        ref = period_scores_reference(torch.zeros(0), c, "variance")
+        np.testing.assert_array_equal(got.cpu().numpy(), ref.numpy())
 
 
 @needs_triton

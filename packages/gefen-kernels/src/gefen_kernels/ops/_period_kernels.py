@@ -1,9 +1,10 @@
 """Triton path of :mod:`.period_scores`: every candidate's score in three launches per chunk.
 
 Same scores as the reference (§1.7.2, §1.7.3, the module docstring of :mod:`.period_scores`),
-to fp64 rounding: the chunk-local exclusive prefix ``E`` is formed exactly as the reference's
-(fp64 tile scans plus fp64 tile offsets) and each block's sum, mean and term use the
-reference's expressions; only the order in which the terms are added differs. Per chunk:
+to fp64 rounding: the chunk-local exclusive prefix ``E`` is formed as the reference's (fp64
+tile scans plus fp64 tile offsets, over 8M-element chunks instead of 512K, tile totals summed
+by a tree) and each block's sum, mean and term use the reference's expressions; the terms are
+added in another fixed order. Per chunk:
 
 1. :func:`_period_prefix_kernel` (one program per ``TILE`` elements): the transform, the
    tile-local inclusive fp64 scans and tile totals, and (Variant L) the tile's part of the
@@ -21,9 +22,9 @@ reference's expressions; only the order in which the terms are added differs. Pe
 
 The host computes each chunk's first block end and number of ends per candidate (Python
 ints, as the reference does) and sends all of them with one asynchronous copy per tensor;
-nothing is read back until the caller reads the scores. The reference's per-chunk torch glue (about ninety small
-launches) and its ``O(block ends)`` int64 temporaries are gone, so a chunk can be 8M elements
-(64 MiB of fp64 scans; 128 MiB for Variant V) instead of 2M.
+nothing is read back until the caller reads the scores. The reference's per-chunk torch glue
+(about ninety small launches) and its ``O(block ends)`` int64 temporaries are gone, so a chunk
+can be 8M elements (64 MiB of fp64 scans; 128 MiB for Variant V) instead of 2M.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = ["scores_triton"]
 
 TILE = 1024  # elements per prefix program (one fp64 scan each)
 ENDS_PER_PROGRAM = 1024  # block ends per terms program
+CARRY_LANES = 256  # partial sums the carry kernel adds per iteration
 
 
 @jit
@@ -212,8 +214,8 @@ def scores_triton(grad: Tensor, cands: list[int], variant: str, chunk: int) -> T
     if not cands:
         return out
     flat = grad.view(-1)
-    if flat.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        flat = flat.to(torch.float32)  # fp64 gradients: the transform starts from fp32 anyway
+    # fp64 gradients: the transform starts from fp32 anyway; converted chunk by chunk below.
+    convert = flat.dtype not in (torch.float32, torch.bfloat16, torch.float16)
     log_contrast = variant == "log_contrast"
     rows = 1 if log_contrast else 2
     has_one = cands[0] == 1
@@ -254,7 +256,11 @@ def scores_triton(grad: Tensor, cands: list[int], variant: str, chunk: int) -> T
         stride_a = num_tiles * TILE
         pre = scan.view(-1)[:rows * stride_a]
         tot = totals.view(-1)[:rows * num_tiles]
-        _period_prefix_kernel[(num_tiles,)](flat[start:start + n], pre, tot, one_parts, n,
+        src = flat[start:start + n]
+        if convert:  # with the predecessor the p = 1 term reads
+            lo = max(start - 1, 0)
+            src = flat[lo:start + n].to(torch.float32)[start - lo:]
+        _period_prefix_kernel[(num_tiles,)](src, pre, tot, one_parts, n,
                                             stride_a, int(start > 0),
                                             LOG_CONTRAST=log_contrast, TILE=TILE, num_warps=4,
                                             **LAUNCH_OPTIONS)
@@ -270,7 +276,8 @@ def scores_triton(grad: Tensor, cands: list[int], variant: str, chunk: int) -> T
                                                **LAUNCH_OPTIONS)
         _period_carry_kernel[(k + 1,)](*args, acc, one_parts, one_acc, n, k, num_parts,
                                        stride_a, num_tiles, LOG_CONTRAST=log_contrast,
-                                       TILE=TILE, RB=256, num_warps=4, **LAUNCH_OPTIONS)
+                                       TILE=TILE, RB=CARRY_LANES, num_warps=4,
+                                       **LAUNCH_OPTIONS)
     if k:
         blocks = numel / cand_dev.to(torch.float64)  # exact: p divides N
         scores = acc / (blocks - 1.0) if log_contrast else torch.sqrt(acc / blocks)

@@ -203,8 +203,8 @@ def _triton_counts(items: Sequence[tuple[Tensor, int]], device: torch.device, *,
     """Summed counts of checked, contiguous, non-empty ``(grad, period)`` pairs on one device.
 
     The bins of whole blocks (one block at least) go into a shared int16 buffer of up to
-    ``_HIST_CHUNK`` elements, and ``torch.bincount`` counts each filled buffer: one host sync
-    (bincount's range check) per buffer, not per tensor.
+    ``_HIST_CHUNK`` elements, and ``torch.bincount`` counts each filled buffer: its two host
+    syncs (the range check: min and max) come per buffer, not per tensor.
     """
     counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device)
     total = sum(g.numel() for g, _ in items)
@@ -244,7 +244,7 @@ def histogram_triton(grad: Tensor, period: int, *, _route: str | None = None,
     """Triton twin of :func:`histogram_reference` (same signature, identical counts).
 
     Whole blocks of at most ``_HIST_CHUNK`` elements (or one block) at a time: a kernel writes
-    each element's int16 bin and ``torch.bincount`` counts them (one host sync per chunk, for
+    each element's int16 bin and ``torch.bincount`` counts them (two host syncs per chunk, for
     its range check).
 
     Raises:
@@ -290,9 +290,9 @@ def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
     The codebook pass of a whole model (ALGORITHM.md §1.8.1-§1.8.2): each gradient's counts are
     added into one int64 accumulator per device (exact, order-independent integer sums) and each
     accumulator is copied to the host once. On the Triton path a device's contiguous gradients
-    share int16 bin buffers of up to 32M elements, and ``torch.bincount`` adds one host sync
-    per buffer (its range check): a model's pass costs a few syncs per device, not one or two
-    per tensor.
+    share int16 bin buffers of up to 32M elements, and ``torch.bincount`` adds two host syncs
+    per buffer (its range check): a model's pass costs a few syncs per device, not two per
+    tensor.
 
     Args:
         grads: float tensors (any float dtype and device; a non-contiguous one is copied once by

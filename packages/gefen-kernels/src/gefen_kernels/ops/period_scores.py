@@ -27,10 +27,11 @@ Non-finite input is not an error here: a NaN or Inf gradient (or, for Variant L,
 overflows fp32) makes every score that covers it non-finite, ``S(1)`` and ``E(1)`` included;
 ``gefen_core.period.search_period`` turns that into an error.
 
-The Triton path (:mod:`._period_kernels`) forms the same chunk-local prefix sums (fp64 tile scans
-plus fp64 tile offsets) and computes every candidate's block sums and terms with the same
-expressions in three kernels per chunk, without the reference's per-chunk torch glue. Scores
-agree with the reference to fp64 rounding (the terms are added in another fixed order).
+The Triton path (:mod:`._period_kernels`) forms chunk-local prefix sums the same way (fp64 tile
+scans plus fp64 tile offsets, over longer chunks) and computes every candidate's block sums and
+terms with the same expressions in three kernels per chunk, without the reference's per-chunk
+torch glue. Scores agree with the reference to fp64 rounding (chunk length, tile totals and the
+order of adding the terms differ).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ VARIANTS = ("log_contrast", "variance")
 #: ``epsilon`` inside ``ln(g^2 + epsilon)`` (Appendix A).
 LOG_EPS = 1e-12
 
-# Elements per chunk: bounds the fp64 scratch (prefix sums and gathered block ends) to a few
-# tens of MiB whatever the tensor size.
+# Elements per chunk: bounds the fp64 scratch whatever the tensor size (the reference's prefix
+# sums and gathered block ends: tens of MiB; the Triton path's scans: 64 MiB, 128 for Variant V).
 _CHUNK_REFERENCE = 1 << 19
 _CHUNK_TRITON = 1 << 23  # _period_kernels: no per-block-end temporaries, 64 MiB of fp64 scans
 _TILE = _KERNEL_TILE  # elements per tile scan, as the Triton path's: the same prefix sums
@@ -290,6 +291,8 @@ def period_scores_triton(grad: Tensor, candidates: Tensor, variant: str) -> Tens
     require_triton("period_scores (Triton path)")
     check_device_for_triton(grad)
     cands = _host_candidates(grad, candidates, variant)
+    if grad.numel() == 0:  # no chunk to launch: the reference's empty-tensor scores
+        return _scores(grad, cands, variant, _CHUNK_REFERENCE)
     return scores_triton(grad, cands, variant, _CHUNK_TRITON)
 
 

@@ -6,10 +6,11 @@ Triton specialises it (``period.to(tl.float32)`` then fails), a pointer or integ
 by 16 gets an alignment attribute, a ``tl.constexpr`` branch that the interpreter never took is
 type-checked. This script drives the real launchers (``block_step_triton``,
 ``factored_step_triton``, ``multi_block_step_triton``, ``StepGroups``, the quantize launchers,
-the Muon momentum launcher) over every route and constexpr combination they can pick, records each
-launch instead of running it, applies Triton's launch-time specialisation rules (ints equal
-to 1 -> constexpr, ints and pointers divisible by 16 -> ``tt.divisibility``), and compiles the
-result ahead of time with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``.
+the Muon momentum launcher, the period scores and the histogram) over every route and
+constexpr combination they can pick, records each launch instead of running it, applies
+Triton's launch-time specialisation rules (ints equal to 1 -> constexpr, ints and pointers
+divisible by 16 -> ``tt.divisibility``), and compiles the result ahead of time with
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``.
 
 Usage (from ``packages/gefen-kernels``)::
 

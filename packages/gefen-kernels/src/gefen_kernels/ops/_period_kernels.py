@@ -35,7 +35,7 @@ from torch import Tensor
 from .._triton import jit, tl, triton
 from ._triton_helpers import LAUNCH_OPTIONS
 
-__all__ = ["scores_triton"]
+__all__ = ["host_to_device", "scores_triton"]
 
 TILE = 1024  # elements per prefix program (one fp64 scan each)
 ENDS_PER_PROGRAM = 1024  # block ends per terms program
@@ -198,9 +198,10 @@ def _period_carry_kernel(pre_ptr, off_ptr, cand_ptr, table_ptr, open_ptr, last_p
                 tl.store(open_ptr + row * K + c, tl.load(open_ptr + row * K + c) + total)
 
 
-def _to_device(values: list[int], device: torch.device) -> Tensor:
+def host_to_device(values: list[int], device: torch.device) -> Tensor:
+    """int64 tensor on ``device`` without a blocking copy (a pageable copy would sync CUDA)."""
     host = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":  # a pageable copy would synchronise the stream
+    if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 
@@ -247,7 +248,7 @@ def scores_triton(grad: Tensor, cands: list[int], variant: str, chunk: int) -> T
             num_parts += -(-cnt // ENDS_PER_PROGRAM)
         host += (firsts + counts + progs) if k else [1, 0, 0]
         parts_per_chunk.append(num_parts)
-    tables = _to_device(host, dev)
+    tables = host_to_device(host, dev)
     cand_dev = tables[:kk]
     parts = torch.empty(max(max(parts_per_chunk), 1), dtype=torch.float64, device=dev)
     for i, (start, num_parts) in enumerate(zip(starts, parts_per_chunk)):

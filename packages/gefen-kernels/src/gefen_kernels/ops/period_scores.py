@@ -43,7 +43,7 @@ from .. import _validation as V
 from .._triton import require_triton
 from ._dispatch import check_device_for_triton, use_triton
 from ._period_kernels import TILE as _KERNEL_TILE
-from ._period_kernels import scores_triton
+from ._period_kernels import host_to_device, scores_triton
 
 __all__ = [
     "LOG_EPS",
@@ -148,16 +148,8 @@ def _transform_reference(chunk: Tensor, variant: str) -> tuple[Tensor, Tensor]:
 
 
 # --------------------------------------------------------------------------------------------
-# Scores from chunk-local prefix sums (shared by both paths)
+# Scores from chunk-local prefix sums (the reference)
 # --------------------------------------------------------------------------------------------
-def _host_to_device(values: list[int], device: torch.device) -> Tensor:
-    """int64 tensor on ``device`` without a blocking copy (a pageable copy would sync CUDA)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def _scores(grad: Tensor, cands: list[int], variant: str, chunk: int) -> Tensor:
     dev = grad.device
     numel = grad.numel()
@@ -170,7 +162,7 @@ def _scores(grad: Tensor, cands: list[int], variant: str, chunk: int) -> Tensor:
     ps = cands[1:] if has_one else cands
     k = len(ps)
     rows = 1 if log_contrast else 2
-    p_int = _host_to_device(ps, dev)
+    p_int = host_to_device(ps, dev)
     p_flt = p_int.to(torch.float64)
     # Per candidate: sums of the block left open by earlier chunks; (log_contrast) the sum of
     # the last closed block and whether one exists; the running score sum.

@@ -1,4 +1,5 @@
-"""Graph-replayed eager fused steps (``gefen_core._step_graphs``) against eager launches.
+"""Graph-replayed eager fused steps (``gefen_core._step_graphs``: the full step's per-plan
+launches and the steady step's grouped launches) against eager launches.
 
 A replay must give the eager step's bits, and must not replay when any captured address moved
 (new gradient storage, a parameter whose ``.data`` was replaced). Skipped only when CUDA is
@@ -60,9 +61,18 @@ def _train(monkeypatch: pytest.MonkeyPatch, *, graphs: bool, dtype: torch.dtype,
 
 
 def _graph_of(opt: Gefen) -> object:
+    """The graph a full step (per-plan launches) or a steady step (grouped launches) of
+    ``opt`` would replay next, or ``None``."""
     first = next(iter(opt.param_groups[0]["params"]))
     entry = _step_graphs._ENTRIES.get(opt.state[first]["exp_avg_codes"])
-    return None if entry is None else entry.graph
+    if entry is not None and entry.graph is not None:
+        return entry.graph
+    steady = opt._steady
+    for call in steady._calls if steady is not None else []:
+        group_entry = _step_graphs._GROUP_ENTRIES.get(call.groups) if call.groups else None
+        if group_entry is not None and group_entry.graph is not None:
+            return group_entry.graph
+    return None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -71,10 +81,15 @@ def test_replayed_steps_equal_eager_steps(monkeypatch: pytest.MonkeyPatch, dtype
                                           stochastic: bool) -> None:
     eager, eager_opt = _train(monkeypatch, graphs=False, dtype=dtype, stochastic=stochastic,
                               grads="static")
+    before = _step_graphs.counts()
     graphed, graphed_opt = _train(monkeypatch, graphs=True, dtype=dtype,
                                   stochastic=stochastic, grads="static")
+    after = _step_graphs.counts()
     assert _graph_of(eager_opt) is None
     assert _graph_of(graphed_opt) is not None  # the later steps were replayed
+    # Step 1 is the full step; steady step 2 launches eagerly, step 3 captures, 4-7 replay.
+    assert graphed_opt._steady is not None
+    assert after["replays"] - before["replays"] >= 4
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
     for p_e, p_g in zip(eager_opt.param_groups[0]["params"],
@@ -122,6 +137,7 @@ def test_training_loop_with_freed_gradients_equals_eager(monkeypatch: pytest.Mon
     opt = Gefen(model.parameters(), lr=1e-3, weight_decay=0.1)
     eager = Gefen(twin, lr=1e-3, weight_decay=0.1)
     gen = torch.Generator(device="cuda").manual_seed(1)
+    before = _step_graphs.counts()["replays"]
     for _ in range(12):
         x = torch.randn(32, 64, device="cuda", generator=gen)
         y = torch.randint(0, 10, (32,), device="cuda", generator=gen)
@@ -135,3 +151,9 @@ def test_training_loop_with_freed_gradients_equals_eager(monkeypatch: pytest.Mon
         opt.zero_grad(set_to_none=True)
         for p, q in zip(model.parameters(), twin):
             assert torch.equal(p, q)
+    # Every tensor of this model is grouped (no plan takes its gradient by address), so the
+    # steady steps replay whatever addresses the allocator gives the gradients: step 1 is
+    # full, step 2 launches eagerly, step 3 captures, steps 4-12 replay.
+    assert opt._steady is not None
+    assert all(not call.groups.direct for call in opt._steady._calls if call.groups)
+    assert _step_graphs.counts()["replays"] - before == 9

@@ -20,14 +20,18 @@ anything is mutated, that a full step would build exactly the same launches:
 * each stepped parameter's state entries (identity), the address of every planned tensor
   (``p.data = ...`` keeps a tensor's identity but moves its storage), the parameters' dtypes,
   devices and contiguity (a transposed square matrix keeps its address and shape);
-* the codebook (the same tensor on each device, unmodified), no codebook refresh due, no
-  graph replay requested (``GEFEN_CUDA_GRAPHS``), not inside ``torch.compile``.
+* the codebook (the same tensor on each device, unmodified), no codebook refresh due, not
+  inside ``torch.compile``.
 
 If all hold it advances the counters, computes the per-step scalars with the full step's code
 (:func:`gefen_core.functional._host_rows_from`) and launches the same plans and launch tables,
-so the result is bit-identical to the full step. Otherwise it returns ``False`` having changed
-nothing, and the full step runs (and records again). The record refers to parameters, state
-and the codebook only weakly, so it never keeps replaced, deleted or offloaded state alive.
+so the result is bit-identical to the full step. With graph replay on
+(``GEFEN_CUDA_GRAPHS=1``), each CUDA call's grouped launches are captured and then replayed
+(:func:`gefen_core._step_graphs.launch_groups`): the grouped gradients reach the graph through
+staged offsets, and everything else its addresses depend on is what this check has just
+established. Otherwise it returns ``False`` having changed nothing, and the full step runs
+(and records again). The record refers to parameters, state and the codebook only weakly, so
+it never keeps replaced, deleted or offloaded state alive.
 An optimizer that reduces factored statistics (``_reduces_factored_stats``, whose
 ``_factored_statistics`` hook may be a collective on every step) is never recorded.
 
@@ -118,7 +122,7 @@ class SteadyStep:
         if opt._codebook_refresh_every > 0 and opt._global_step > 0 \
                 and opt._global_step % opt._codebook_refresh_every == 0:
             return False
-        if torch.compiler.is_compiling() or _step_graphs.enabled():
+        if torch.compiler.is_compiling():
             return False
         if len(opt.param_groups) != len(self._groups):
             return False
@@ -180,6 +184,7 @@ class SteadyStep:
             _amp.unscale_(every, inv_scale)
         from .optimizer import mix_seed
 
+        graphs = _step_graphs.enabled()
         for i, call in enumerate(calls):
             group = call.group
             beta1, beta2 = group["betas"]
@@ -202,10 +207,12 @@ class SteadyStep:
                                                  beta1=beta1, beta2=beta2,
                                                  weight_decay=group["weight_decay"])
                 if call.groups is not None:
-                    call.groups.launch(
-                        grads[i], host,
-                        [mix_seed(opt._global_step, s) for s in call.salts]
-                        if group["stochastic_round"] else None)
+                    seeds = ([mix_seed(opt._global_step, s) for s in call.salts]
+                             if group["stochastic_round"] else None)
+                    if graphs and call.device.type == "cuda":
+                        _step_graphs.launch_groups(call.groups, grads[i], host, seeds)
+                    else:
+                        call.groups.launch(grads[i], host, seeds)
                 else:
                     lr32, bc1_32, bc2_32, decay32 = host[0]
                     call.plans[0].launch(grads[i][0], lr=lr32, bc1_recip=bc1_32, bc2=bc2_32,
@@ -223,16 +230,14 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
           split: Any) -> SteadyStep | None:
     """Record a full step that has just run, or ``None`` when :meth:`SteadyStep.run` could not
     repeat it: a tensor off the grouped fused launches (another path, capturable, not
-    contiguous, a DTensor, reduced statistics), a live tensor the step skipped, graph replay
-    requested, no codebook yet, or an optimizer that reduces factored statistics (its
-    ``_factored_statistics`` hook is called on every step). ``split`` is the optimizer's
-    per-device split of a path's lists (``_split_by_device``)."""
+    contiguous, a DTensor, reduced statistics), a live tensor the step skipped, no codebook
+    yet, or an optimizer that reduces factored statistics (its ``_factored_statistics`` hook
+    is called on every step). ``split`` is the optimizer's per-device split of a path's lists
+    (``_split_by_device``)."""
     from .optimizer import name_salt
 
     if (opt._codebook is None or len(stepped) != len(live) or not stepped
             or opt._reduces_factored_stats):
-        return None
-    if _step_graphs.enabled():
         return None
     names = {id(p): name for _, p, _, name in stepped}
     calls: list[_Call] = []

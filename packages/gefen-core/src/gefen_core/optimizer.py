@@ -11,7 +11,7 @@ import functools
 import hashlib
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -372,30 +372,53 @@ class Gefen(Optimizer):
         return counts
 
     def _search_period(self, grad: Tensor, shape: tuple[int, ...], variant: str) -> int:
-        """Period search for one tensor after the §1.7.1 gates (one host sync). A distributed
-        subclass overrides it to reduce the period statistics over the global tensor."""
-        from .period import search_period
+        """Period search for one tensor after the §1.7.1 gates (one host sync)."""
+        return self._search_periods([grad], [shape], variant)[0]
 
-        return int(search_period(grad, shape, variant=variant, fallback=True))
+    def _search_periods(self, grads: list[Tensor], shapes: list[tuple[int, ...]],
+                        variant: str) -> list[int]:
+        """Period search for many tensors after the §1.7.1 gates: every tensor's scores are
+        launched before any is read back (one host sync per device,
+        :func:`gefen_core.period.search_periods`). A distributed subclass may override it to
+        reduce the period statistics over the global tensors."""
+        from .period import search_periods
+
+        return [int(p) for p in search_periods(grads, shapes, variant=variant, fallback=True)]
 
     def _select_period(self, param: Tensor, grad: Tensor, name: str, group: dict[str, Any]) -> int:
-        """§1.7.1 gates in order, then :meth:`_search_period`."""
-        if param.numel() == 1:
-            return 1
-        if group["force_1d_period_one"] and param.ndim == 1:
-            return 1
-        if group["force_2d_period_one"] and param.ndim == 2:
-            return 1
-        if any(s in name for s in group["period_one_substrings"]):
-            return 1
-        g = grad if grad.is_contiguous() else grad.contiguous()
-        period = self._search_period(g, tuple(param.shape), group["period_search"])
-        # The period is state geometry: it must divide the elements actually stepped (a
-        # DTensor's local shard), not only the global numel.
-        n = grad.numel()
-        if period < 1 or n % period:
-            raise RuntimeError(f"Gefen: period search returned {period} for {name!r} (numel {n})")
-        return period
+        """§1.7.1 gates in order, then :meth:`_search_periods` (:meth:`_select_periods` of
+        one tensor)."""
+        return self._select_periods([(param, grad, name, group)])[0]
+
+    def _select_periods(self, items: Sequence[tuple[Tensor, Tensor, str, dict[str, Any]]],
+                        ) -> list[int]:
+        """The period of each ``(param, grad, name, group)``: the §1.7.1 gates in order, then
+        one :meth:`_search_periods` call per search variant for the tensors no gate decided
+        (a model's first step then waits for the device once, not once per tensor)."""
+        periods: list[int] = [0] * len(items)
+        pending: dict[str, list[int]] = {}
+        grads: list[Tensor] = []
+        for i, (param, grad, name, group) in enumerate(items):
+            if (param.numel() == 1 or (group["force_1d_period_one"] and param.ndim == 1)
+                    or (group["force_2d_period_one"] and param.ndim == 2)
+                    or any(s in name for s in group["period_one_substrings"])):
+                periods[i] = 1
+            else:
+                pending.setdefault(group["period_search"], []).append(i)
+            grads.append(grad if grad.is_contiguous() else grad.contiguous())
+        for variant, idx in pending.items():
+            found = self._search_periods([grads[i] for i in idx],
+                                         [tuple(items[i][0].shape) for i in idx], variant)
+            for i, period in zip(idx, found):
+                periods[i] = period
+        for (_, grad, name, _), period in zip(items, periods):
+            # The period is state geometry: it must divide the elements actually stepped (a
+            # DTensor's local shard), not only the global numel.
+            n = grad.numel()
+            if period < 1 or n % period:
+                raise RuntimeError(
+                    f"Gefen: period search returned {period} for {name!r} (numel {n})")
+        return periods
 
     # ------------------------------------------------------------------ codebook
     def _codebook_on(self, device: torch.device) -> Tensor:
@@ -428,14 +451,15 @@ class Gefen(Optimizer):
 
         from .codebook import optimal_codebook
 
+        unknown = [(p, g, name, group) for group, p, g, name in entries
+                   if (p not in self.state or self.state[p].get("period") is None)
+                   and p not in periods]
+        for (p, _, _, _), found in zip(unknown, self._select_periods(unknown)):
+            periods[p] = found
         grads, blocks, reference = [], [], []
-        for group, p, g, name in entries:
-            period = self.state[p].get("period") if p in self.state else None
-            if period is None:
-                period = periods.get(p)
-            if period is None:
-                period = self._select_period(p, g, name, group)
-                periods[p] = period
+        for group, p, g, _ in entries:
+            stored = self.state[p].get("period") if p in self.state else None
+            period = int(stored) if stored is not None else periods[p]
             path = _dispatch.choose_path(
                 p, group, deterministic=self._deterministic,
                 sharded_factored=self._reduces_factored_stats)

@@ -40,7 +40,7 @@ same skipped step) on every rank instead of a hang (§8 item 5).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -238,15 +238,16 @@ class ShardedGefen(Gefen):
             return self._agreed_finite
         return all(bool(torch.isfinite(_local(g)).all()) for g in grads)
 
-    def _select_period(self, param: Tensor, grad: Tensor, name: str,
-                       group: dict[str, Any]) -> int:
-        """Gefen's gates and search; records the (unaligned) result in ``search_periods``."""
-        period = super()._select_period(param, grad, name, group)
-        for i, q in enumerate(group["params"]):
-            if q is param:
-                group[SEARCH_PERIODS_KEY][i] = int(period)
-                break
-        return period
+    def _select_periods(self, items: Sequence[tuple[Tensor, Tensor, str, dict[str, Any]]],
+                        ) -> list[int]:
+        """Gefen's gates and search; records each (unaligned) result in ``search_periods``."""
+        periods = super()._select_periods(items)
+        for (param, _, _, group), period in zip(items, periods):
+            for i, q in enumerate(group["params"]):
+                if q is param:
+                    group[SEARCH_PERIODS_KEY][i] = int(period)
+                    break
+        return periods
 
     def _factored_statistics(
         self, entries: list[tuple[Tensor, Tensor, Tensor, Tensor, float, bool]],

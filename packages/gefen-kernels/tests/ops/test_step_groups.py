@@ -194,6 +194,42 @@ def test_groups_launch_once_per_class_and_chunk(monkeypatch) -> None:
                       "_group_tile_kernel": 10}
 
 
+@pytest.mark.parametrize("force_loop", [False, True])
+def test_staged_launch_with_device_scalars_equals_launch(force_loop, monkeypatch) -> None:
+    """stage() into one reused buffer + launch_staged(device_scalars=True), the form a CUDA
+    graph captures and replays, gives the bits of launch() over two steps with different
+    scalars and seeds, for grouped classes, statistics-only classes and plans launched alone
+    (which then read their scalars and seed from the buffer: another compiled variant)."""
+    if force_loop:  # periods above 32 take the loop route (choose_route is speed-only)
+        step_plan = importlib.import_module("gefen_kernels.ops.step_plan")
+        monkeypatch.setattr(step_plan, "choose_route",
+                            lambda num_blocks, period, device: "loop" if period > 32 else "tile")
+    dev = _device()
+    cb = make_codebook(3).to(dev)
+    base = _tensors(dev, seed=40)
+    a, b = _clone(base), _clone(base)
+    plans_a = _plans(a, cb, maximize=False, stochastic_round=True)
+    plans_b = _plans(b, cb, maximize=False, stochastic_round=True)
+    grads_a = [it["grad"] for it in a]
+    grads_b = [it["grad"] for it in b]
+    groups_a, groups_b = StepGroups(plans_a, grads_a), StepGroups(plans_b, grads_b)
+    assert groups_b._singles and any(cls.stats_only for cls in groups_b._classes)
+    buffer = torch.empty(4 * len(CASES), dtype=torch.int64, device=dev)
+    for step in range(2):
+        scalars = [_scalars(j + 5 * step, c[4]) for j, c in enumerate(CASES)]
+        seeds = [31 * j - 7 + step for j in range(len(CASES))]
+        groups_a.launch(grads_a, scalars, seeds)
+        assert groups_b.stage(grads_b, scalars, seeds, out=buffer) is buffer
+        groups_b.launch_staged(grads_b, buffer, None, None, device_scalars=True)
+        # The next step's gradients at new addresses (autograd re-allocates them): grouped
+        # ones reach the kernels through the staged offsets only.
+        grads_b = [g.clone() for g in grads_b]
+    _compare(b, a)
+    direct = set(groups_b._singles).union(
+        i for cls in groups_b._classes if cls.stats_only for i in cls.members)
+    assert groups_b.direct == sorted(direct)
+
+
 def test_groups_signature_tracks_gradient_dtype_and_alignment() -> None:
     dev = _device()
     cb = make_codebook(2).to(dev)

@@ -17,8 +17,13 @@ scratch): on an H200 the statistics of one bf16 ``[2048, 8192]`` gradient alone 
 Per step, the scalars, seeds and gradient offsets travel in one host-to-device copy from
 pinned memory; nothing else is rebuilt while the plans, their tensors' addresses and the
 gradients' dtypes and alignment stay the same (:meth:`StepGroups.matches`). The tables hold
-offsets and plans (weak references), never a tensor. A launch cannot be captured in a CUDA
-graph (its per-step values are staged from host memory). The kernels
+offsets and plans (weak references), never a tensor of the optimizer (their own tensors are
+the tables and one 16-byte anchor per class that gradient offsets are measured from, so a
+grouped launch depends on no gradient's address but through the staged offsets).
+:meth:`StepGroups.launch` stages from host memory and cannot be captured in a CUDA graph;
+:meth:`StepGroups.stage` outside a capture and :meth:`StepGroups.launch_staged` with
+``device_scalars=True`` inside it can (the graph is then replayed after each new staging into
+the same buffer). The kernels
 (:mod:`._group_kernels`) do each tensor's per-program work of the one-tensor kernels with the
 same compiled layouts, so the result is bit-identical to :meth:`StepPlan.launch` on every plan
 with the same scalars and seeds.
@@ -155,6 +160,8 @@ class _Launches:
         self.specs: tuple[int, ...] = key[-1]
         self.p_vec = 16 // _ELEMENT_BYTES[first.dtype]
         self.g_vec = 16 // _ELEMENT_BYTES[key[2]]
+        # The address the class's gradient offsets are measured from (StepGroups.__init__).
+        self.g_anchor = torch.empty(self.g_vec, dtype=key[2], device=device)
         self.consts = ({} if self.stats_only else
                        {k: first._consts[k] for k in ("BPP", "P2", "MAXIMIZE", "STOCHASTIC",
                                                       "STEPS", "OFFS64", "num_warps")})
@@ -305,11 +312,19 @@ class StepGroups:
             classes.setdefault(key, []).append(i)
         self._classes = [_Launches(key, members, plans, self.device)
                          for key, members in classes.items()]
-        # Per tensor, the gradient its class measures offsets from (its first member's).
-        self._grad_base = list(range(len(plans)))
+        # Per class, the address its gradients' offsets are measured from: a 16-byte tensor
+        # of the gradients' dtype owned by the groups, not a gradient, so the launches depend
+        # on no gradient's address but through the staged offsets (a captured graph stays
+        # valid when autograd re-allocates the gradients). The allocator aligns it like the
+        # gradients (16 bytes at least), so the kernels compile as with a gradient as base.
+        self._grad_anchor: list[Tensor | None] = [None] * len(plans)
         for cls in self._classes:
             for i in cls.members:
-                self._grad_base[i] = cls.members[0]
+                self._grad_anchor[i] = cls.g_anchor
+        # The plans launched with their gradient's own address (alone, or the update of a
+        # statistics-only class): what a captured graph of these launches depends on.
+        self.direct = sorted(set(self._singles).union(
+            i for cls in self._classes if cls.stats_only for i in cls.members))
         self._pin = self.device.type == "cuda"
 
     @staticmethod
@@ -329,7 +344,8 @@ class StepGroups:
 
     def launch(self, grads: Sequence[Tensor], scalars: Sequence[tuple[float, float, float, float]],
                seeds: Sequence[int] | None) -> None:
-        """One step of every plan with gradients ``grads``.
+        """One step of every plan with gradients ``grads``: :meth:`stage` into a new device
+        buffer, then :meth:`launch_staged`.
 
         Args:
             grads: contiguous gradients, one per plan, fitting :meth:`matches` (the caller
@@ -339,37 +355,77 @@ class StepGroups:
                 :meth:`StepPlan.launch` takes them; ``bc2`` is ``bc2_rsqrt`` in block mode
                 and ``bc2_recip`` in factored mode).
             seeds: per plan signed 64-bit stochastic-rounding seeds, or ``None`` (nearest).
+
+        Raises:
+            RuntimeError: called while the current stream is capturing a CUDA graph (the
+                staging copy reads host memory; capture :meth:`launch_staged` instead).
         """
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("StepGroups.launch stages its per-step values from host memory "
-                               "and cannot be captured in a CUDA graph; launch the plans "
-                               "(StepPlan.launch with hyper/seed_tensor) instead")
+                               "and cannot be captured in a CUDA graph; stage() outside the "
+                               "capture and capture launch_staged(..., device_scalars=True)")
+        # A new device buffer every step (one small allocation): a step on another stream
+        # never overwrites values the previous step's kernels may still be reading.
+        buffer = self.stage(grads, scalars, seeds)
+        self.launch_staged(grads, buffer, scalars, seeds)
+
+    def stage(self, grads: Sequence[Tensor], scalars: Sequence[tuple[float, float, float, float]],
+              seeds: Sequence[int] | None, out: Tensor | None = None) -> Tensor:
+        """Copy one step's per-plan values to the device: int64 ``[4 * n]`` holding the fp32
+        scalars ``[n, 4]`` (the kernels' ``[lr, bc2, bc1_recip, decay]``), each grouped gradient's
+        offset in 16-byte units from its class's anchor (0 for the others), and the seeds (0
+        for nearest). One
+        asynchronous copy from pinned host memory into ``out`` (a buffer of that shape and
+        dtype on the device, reused by a graph replay) or a new buffer; returns it.
+
+        Raises:
+            ValueError: a grouped gradient lost its 16-byte alignment (nothing is copied).
+        """
         n = len(self._plans)
         floats: list[float] = []
         for lr, bc1, bc2, decay in scalars:
             floats += (lr, bc2, bc1, decay)  # the kernels' [lr, bc2, bc1_recip, decay]
         words = list(struct.unpack(f"<{2 * n}q", struct.pack(f"<{4 * n}f", *floats)))
-        # A grouped gradient's distance from its class's base gradient, in 16-byte units
-        # (both are 16-byte aligned: matches()); 0 for the others.
-        addresses = [g.data_ptr() for g in grads]
-        offsets = [a - addresses[b] for a, b in zip(addresses, self._grad_base)]
+        # A grouped gradient's distance from its class's anchor, in 16-byte units (both are
+        # 16-byte aligned: matches()); 0 for the others.
+        offsets = [0 if anchor is None else g.data_ptr() - anchor.data_ptr()
+                   for g, anchor in zip(grads, self._grad_anchor)]
         if any(d & 15 for d in offsets):
             raise ValueError("a grouped gradient is no longer 16-byte aligned; check "
                              "StepGroups.matches() before launch and rebuild the groups")
         words += [d >> 4 for d in offsets]
         words += [to_signed64(s) for s in seeds] if seeds is not None else [0] * n
         staged = torch.tensor(words, dtype=torch.int64)
-        # Pinned, from the caching host allocator: reused only after this copy has run. A new
-        # device buffer every step (one small allocation): a step on another stream never
-        # overwrites values the previous step's kernels may still be reading.
-        buffer = torch.empty(4 * n, dtype=torch.int64, device=self.device)
+        # Pinned, from the caching host allocator: reused only after this copy has run.
+        buffer = out if out is not None else torch.empty(4 * n, dtype=torch.int64,
+                                                         device=self.device)
         buffer.copy_(staged.pin_memory() if self._pin else staged, non_blocking=self._pin)
+        return buffer
+
+    def launch_staged(self, grads: Sequence[Tensor], buffer: Tensor,
+                      scalars: Sequence[tuple[float, float, float, float]] | None,
+                      seeds: Sequence[int] | None, *, device_scalars: bool = False) -> None:
+        """The kernels of one step, reading their per-step values from ``buffer``
+        (:meth:`stage` of these ``grads``). Plans launched alone (not groupable, or the
+        update of a statistics-only class) take ``scalars`` and ``seeds`` by value, or, with
+        ``device_scalars``, read them from ``buffer`` too (``scalars``/``seeds`` unused): then
+        nothing here reads host memory and the launches can be captured in a CUDA graph and
+        replayed after each new :meth:`stage` into the same buffer. Both give the same bits."""
+        n = len(self._plans)
         hyper = buffer[:2 * n].view(torch.float32).view(n, 4)
         gptr, seed_table = buffer[2 * n:3 * n], buffer[3 * n:]
-        for i in self._singles:
+
+        def alone(i: int) -> dict[str, Any]:
+            if device_scalars:
+                return dict(lr=0.0, bc1_recip=0.0, bc2=0.0, decay=1.0, seed=0, hyper=hyper[i],
+                            seed_tensor=seed_table[i:i + 1])
+            assert scalars is not None
             lr, bc1, bc2, decay = scalars[i]
-            self._plans[i].launch(grads[i], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay,
-                                  seed=0 if seeds is None else seeds[i])
+            return dict(lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay,
+                        seed=0 if seeds is None else seeds[i])
+
+        for i in self._singles:
+            self._plans[i].launch(grads[i], **alone(i))
         first = self._plans[0]
         codebook = first.tensors()[6]
         b1, omb1, b2, omb2, eps = first._floats
@@ -379,7 +435,7 @@ class StepGroups:
             c = cls.consts
             sp = cls.specs
             p_base, q_base, f_base = cls.bases()
-            g_base = grads[cls.members[0]]
+            g_base = cls.g_anchor
             for chunk in cls.chunks:
                 # The previous chunk's scratch goes back to the allocator before this one's
                 # is taken (stream order makes the reuse safe): the peak is one chunk's.
@@ -404,10 +460,7 @@ class StepGroups:
                 if cls.stats_only:
                     assert scratch is not None
                     for i, at in zip(chunk["members"], chunk["inv_rbar_at"]):
-                        lr, bc1, bc2, decay = scalars[i]
-                        self._plans[i].launch_update(
-                            grads[i], scratch[at:at + 1], lr=lr, bc1_recip=bc1, bc2=bc2,
-                            decay=decay, seed=0 if seeds is None else seeds[i])
+                        self._plans[i].launch_update(grads[i], scratch[at:at + 1], **alone(i))
                     continue
                 _group_tile_kernel[(chunk["n_tile"],)](
                     chunk["meta"], chunk["tile"], gptr, p_base, g_base, q_base, f_base,

@@ -124,6 +124,9 @@ class StepPlan:
             self._grid = None
         consts.update(LAUNCH_OPTIONS)
         self._consts = consts
+        # A plan built for by-value scalars reads them from the device when given ``hyper``
+        # (StepGroups' graph-captured launches): the same bits, another compiled variant.
+        self._device_consts = {**consts, "HYPER": True, "SEED_PTR": True}
         self._ints = (num_blocks, period, self.ncols, *ncols_divider(self.ncols))
 
     def tensors(self) -> tuple[Tensor | None, ...]:
@@ -150,7 +153,8 @@ class StepPlan:
         mode) and ``decay`` must already be rounded to fp32 (:func:`gefen_kernels._numerics.f32`)
         — the caller computes them once per step for every tensor that shares a step count.
         With ``capturable`` they are ignored and ``hyper`` (fp32 ``[4]``) and ``seed_tensor``
-        (int64 ``[1]``) are read on the device.
+        (int64 ``[1]``) are read on the device; a plan built without ``capturable`` does the
+        same when given both (a launch inside a CUDA-graph capture).
 
         Raises:
             ValueError, TypeError: ``grad`` has another shape or device, or is not contiguous.
@@ -198,6 +202,7 @@ class StepPlan:
         assert codebook is not None
         if self.capturable:
             assert hyper is not None and seed_tensor is not None
+        assert (hyper is None) == (seed_tensor is None)
         return tensors
 
     def _update(self, tensors: tuple[Tensor | None, ...], grad: Tensor,
@@ -224,4 +229,4 @@ class StepPlan:
             hyper if hyper is not None else dummy,
             seed_tensor if seed_tensor is not None else dummy, num_blocks, period, ncols, magic,
             shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1_recip, decay, to_signed64(seed),
-            **self._consts)
+            **(self._consts if hyper is None or self.capturable else self._device_consts))

@@ -3,8 +3,9 @@
     PYTHONPATH=<packages>/src python scripts/first_step_memory.py [--models llama,gpt2]
 
 For each model-shaped bf16 parameter set (``gefen_bench.param_sets``) with gradients
-allocated, the first ``opt.step()`` runs with these methods wrapped: the period search of each
-tensor (``Gefen._select_period``), the histogram and codebook (``Gefen._learn``), state creation
+allocated, the first ``opt.step()`` runs with these methods wrapped: the period search of all
+tensors (``Gefen._select_periods``, inside ``_learn``), the histogram and codebook
+(``Gefen._learn``, whose figure then covers what follows the search), state creation
 (``Gefen._init_group``) and the update (``functional.gefen``). Each wrapper resets CUDA's peak
 counter and prints the phase's peak above the memory allocated when it began (MiB). The
 largest phases are listed at the end with the step's own peak above its start, the figure
@@ -54,8 +55,8 @@ def _run(model: str) -> None:
     patches: list[tuple[Any, str, Callable[..., str]]] = [
         (
             Gefen,
-            "_select_period",
-            lambda self, p, g, name, group: f"period search {name} {list(p.shape)}",
+            "_select_periods",
+            lambda self, items: f"period search ({len(items)} tensors)",
         ),
         (Gefen, "_learn", lambda self, entries, periods: "histogram + codebook"),
         (Gefen, "_init_group", lambda self, group, entries, periods: "state creation"),

@@ -292,6 +292,22 @@ def test_period_one_gates() -> None:
     assert periods(period_one_substrings=("BIAS", "conv")) == {**free, "layer.bias": 1, "conv": 1}
 
 
+def test_period_search_error_names_the_parameter_and_changes_nothing() -> None:
+    # A finite gradient whose squares overflow fp32 has no log-contrast period (§1.7.2): the
+    # first step's batched search refuses it by the parameter's name, before any state.
+    ps = {n: torch.randn(s, requires_grad=True) for n, s in
+          {"a.weight": (16, 32), "b.weight": (16, 32), "c.bias": (32,)}.items()}
+    opt = Gefen(list(ps.items()))
+    for i, p in enumerate(ps.values()):
+        p.grad = _grad_like(p, i)
+    ps["b.weight"].grad[3, 5] = 1e30
+    before = {n: p.detach().clone() for n, p in ps.items()}
+    with pytest.raises(ValueError, match=r"^b\.weight: grad has NaN or Inf values"):
+        opt.step()
+    assert not opt.state and opt._codebook is None
+    assert all(torch.equal(before[n], p) for n, p in ps.items())
+
+
 def test_period_search_variant_reaches_the_search() -> None:
     # Appendix B: a 64x512 matrix of normals with log-normal (sigma 1.5) row scales: the
     # log-contrast search finds the rows (512); the variance search finds nothing and the

@@ -229,7 +229,14 @@ def test_search_periods_errors_name_the_position() -> None:
         search_periods([good, torch.ones(4, dtype=torch.int64)], [(64,), (4,)])
     with pytest.raises(ValueError, match="same length"):
         search_periods([good], [(64,), (64,)])
+    with pytest.raises(ValueError, match="same length"):
+        search_periods([good], [(64,)], names=["a", "b"])
     assert search_periods([], []) == []
+    # With names (the optimizer passes its parameter names), errors use them, one tensor too.
+    with pytest.raises(ValueError, match=r"^layer\.weight: grad has NaN"):
+        search_periods([good, bad], [(64,), (64,)], names=["layer.bias", "layer.weight"])
+    with pytest.raises(ValueError, match=r"^only: grad has NaN"):
+        search_periods([bad], [(64,)], names=["only"])
 
 
 def test_dtensor_gradient_is_refused_with_the_fix(tmp_path) -> None:

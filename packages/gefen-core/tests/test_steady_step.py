@@ -156,6 +156,12 @@ def _changes() -> dict[str, Callable[[Gefen, list[torch.Tensor]], None]]:
         # Same address, shape and dtype; no longer contiguous.
         ps[6].data = ps[6].data.t()
 
+    def codebook_storage(opt: Gefen, ps: list[torch.Tensor]) -> None:
+        # Same tensor, same values, same version counter; another address (which a captured
+        # graph of the launches would still read).
+        assert opt._codebook is not None
+        opt._codebook.data = opt._codebook.data.clone()
+
     def add_group(opt: Gefen, ps: list[torch.Tensor]) -> None:
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
 
@@ -164,7 +170,7 @@ def _changes() -> dict[str, Callable[[Gefen, list[torch.Tensor]], None]]:
 
     return {f.__name__: f for f in (no_grad, grad_dtype, grad_strided, first_grad, betas,
                                      state_tensor, param_storage, counter_storage,
-                                     param_transposed, add_group, reload)}
+                                     codebook_storage, param_transposed, add_group, reload)}
 
 
 @pytest.mark.parametrize("change", sorted(_changes()))

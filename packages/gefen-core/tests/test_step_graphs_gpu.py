@@ -119,9 +119,54 @@ def test_a_moved_parameter_is_not_written_through_a_stale_graph(
                           grads="static", move_param_at=6)
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
-    # A replay of the graph captured at step 1 would have written the old storage at step 6
-    # (the parameter would then differ); the moved address sent the step down the eager path.
+    # A replay of the steady step's graph would have written the old storage at step 6 (the
+    # parameter would then differ); the steady check saw the moved address and sent the step
+    # to the full path, whose own graph key changed too, and which rebuilt the groups.
     assert _graph_of(opt) is None
+
+
+def test_a_moved_direct_gradient_is_not_read_through_a_stale_graph(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan launched with its gradient's own address (here: a gradient off a 16-byte
+    boundary, which cannot be grouped) ties the steady graph to that address. When it moves,
+    the step runs eagerly, and the old storage, zeroed, is never read."""
+    def train(graphs: bool) -> tuple[list[torch.Tensor], int]:
+        monkeypatch.setenv("GEFEN_CUDA_GRAPHS", "1" if graphs else "0")
+        params = _params(torch.bfloat16)
+        opt = Gefen(params, lr=1e-2, weight_decay=0.1)
+        storage = [torch.empty(p.shape, device="cuda", dtype=p.dtype) for _, p in params]
+
+        def unaligned(shape: torch.Size) -> torch.Tensor:
+            n = 1
+            for s in shape:
+                n *= s
+            return torch.empty(n + 1, device="cuda", dtype=torch.bfloat16)[1:].view(shape)
+
+        storage[0] = unaligned(params[0][1].shape)
+        before = _step_graphs.counts()
+        for step in range(8):
+            if step == 5:
+                old = storage[0]
+                storage[0] = unaligned(params[0][1].shape)
+            for (_, p), value, buf in zip(params, _grad_values(step, params), storage):
+                buf.copy_(value)
+                p.grad = buf
+            if step == 5:
+                old.zero_()  # what a stale replay would read
+            opt.step()
+        torch.cuda.synchronize()
+        assert opt._steady is not None
+        assert any(0 in call.groups.direct for call in opt._steady._calls if call.groups)
+        return [p.detach().clone() for _, p in params], (_step_graphs.counts()["replays"]
+                                                         - before["replays"])
+
+    eager, _ = train(graphs=False)
+    graphed, replays = train(graphs=True)
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a, b)
+    # Steps 4-5 replayed (captured at 3); the moved gradient made step 6 eager; step 7
+    # captured again and step 8 replayed.
+    assert replays == 3
 
 
 def test_training_loop_with_freed_gradients_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,8 +20,8 @@ anything is mutated, that a full step would build exactly the same launches:
 * each stepped parameter's state entries (identity), the address of every planned tensor
   (``p.data = ...`` keeps a tensor's identity but moves its storage), the parameters' dtypes,
   devices and contiguity (a transposed square matrix keeps its address and shape);
-* the codebook (the same tensor on each device, unmodified), no codebook refresh due, not
-  inside ``torch.compile``.
+* the codebook (the same tensor on each device, unmodified, at the same address), no codebook
+  refresh due, not inside ``torch.compile``.
 
 If all hold it advances the counters, computes the per-step scalars with the full step's code
 (:func:`gefen_core.functional._host_rows_from`) and launches the same plans and launch tables,
@@ -76,7 +76,7 @@ class _Call:
     """One ``functional.gefen`` call of the full step: one group's tensors on one device."""
 
     __slots__ = ("group", "device", "factored", "salts", "plans", "groups", "codebook",
-                 "codebook_version", "counters")
+                 "codebook_version", "codebook_ptr", "counters")
 
     def __init__(self, group: dict[str, Any], lists: dict[str, list[Any]],
                  salts: list[int], plans: list[Any], groups: Any) -> None:
@@ -89,6 +89,9 @@ class _Call:
         codebook: Tensor = lists["codebooks"][0]
         self.codebook = weakref.ref(codebook)
         self.codebook_version = codebook._version
+        # `.data =` moves a tensor's storage without bumping its version; the launches (and a
+        # captured graph) hold the address.
+        self.codebook_ptr = codebook.data_ptr()
         # The buffer every counter of this call is a view of (`_rehome_counters`), weakly:
         # the views keep it alive as long as the state holds them.
         self.counters: weakref.ref[Tensor] | None = None
@@ -173,7 +176,8 @@ class SteadyStep:
         for call in calls:
             codebook = call.codebook()
             if (codebook is None or opt._codebook_on(call.device) is not codebook
-                    or codebook._version != call.codebook_version):
+                    or codebook._version != call.codebook_version
+                    or codebook.data_ptr() != call.codebook_ptr):
                 return False
         # Everything the full step would check and build is as recorded: from here on this
         # is the full step's work, in its order.

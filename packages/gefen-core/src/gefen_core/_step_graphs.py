@@ -35,13 +35,15 @@ affected), at most ``_MAX_CAPTURES`` times per entry. A capture that fails warns
 that entry eager. A graph keeps its scratch (the factored statistics, at most
 ``GROUP_SCRATCH_BYTES`` per launch chunk) in its private memory pool for as long as it lives.
 
-Why it stays opt-in (H200, ``docs/results/h200-2026-11-30-graphs/``). In a GPT-2-small-shaped
-training loop with ``set_to_none=True`` (``scripts/graph_replay_rate.py``), 37 of 40 steady
-steps replayed and the host time of ``opt.step()`` fell 4.52 → 2.49 and 4.09 → 2.94 ms in two
-calls, but the step itself only 4.60 → 3.82 and 4.30 → 4.17 ms: the GPU now waits for the
-steady step's per-tensor checks (about 1.3 ms for 148 tensors) before any of its work starts,
-where eager launches overlap them. In the step benchmark the difference stayed inside the
-run-to-run spread (fused AdamW itself moved 1.06-1.44 ms between runs of one call).
+Why it stays opt-in (H200, ``docs/results/h200-2026-11-30-graphs/``). In a
+GPT-2-small-shaped training loop with ``set_to_none=True`` (``scripts/graph_replay_rate.py``,
+149 tensors) 37 of 40 steady steps replayed, and the host time of ``opt.step()`` fell by 0.8 to
+2.0 ms in four runs, but the step time measured after a sync moved by -0.8 to +0.3 ms: the
+steady step's checks precede its kernels in both modes, and after them replay saves the
+launches' issue time, which eager launches largely hide behind the kernels' own run. The
+iteration time of the loop without syncs went 36.3 -> 33.0 ms at batch 8 x 512 and 27.4 -> 32.7
+ms at batch 2 x 128 (one run each). In the step benchmark the difference stayed inside the
+run-to-run spread.
 """
 
 from __future__ import annotations

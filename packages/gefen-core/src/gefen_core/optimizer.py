@@ -371,19 +371,16 @@ class Gefen(Optimizer):
         a distributed subclass all-reduces it (sum) so every rank learns the same codebook."""
         return counts
 
-    def _search_period(self, grad: Tensor, shape: tuple[int, ...], variant: str) -> int:
-        """Period search for one tensor after the §1.7.1 gates (one host sync)."""
-        return self._search_periods([grad], [shape], variant)[0]
-
     def _search_periods(self, grads: list[Tensor], shapes: list[tuple[int, ...]],
-                        variant: str) -> list[int]:
-        """Period search for many tensors after the §1.7.1 gates: every tensor's scores are
+                        names: list[str], variant: str) -> list[int]:
+        """Period search for the tensors no §1.7.1 gate decided: every tensor's scores are
         launched before any is read back (one host sync per device,
-        :func:`gefen_core.period.search_periods`). A distributed subclass may override it to
-        reduce the period statistics over the global tensors."""
+        :func:`gefen_core.period.search_periods`); errors name the parameter. A distributed
+        subclass may override it to reduce the period statistics over the global tensors."""
         from .period import search_periods
 
-        return [int(p) for p in search_periods(grads, shapes, variant=variant, fallback=True)]
+        return [int(p) for p in search_periods(grads, shapes, variant=variant, fallback=True,
+                                               names=names)]
 
     def _select_period(self, param: Tensor, grad: Tensor, name: str, group: dict[str, Any]) -> int:
         """§1.7.1 gates in order, then :meth:`_search_periods` (:meth:`_select_periods` of
@@ -397,18 +394,18 @@ class Gefen(Optimizer):
         (a model's first step then waits for the device once, not once per tensor)."""
         periods: list[int] = [0] * len(items)
         pending: dict[str, list[int]] = {}
-        grads: list[Tensor] = []
-        for i, (param, grad, name, group) in enumerate(items):
+        for i, (param, _, name, group) in enumerate(items):
             if (param.numel() == 1 or (group["force_1d_period_one"] and param.ndim == 1)
                     or (group["force_2d_period_one"] and param.ndim == 2)
                     or any(s in name for s in group["period_one_substrings"])):
                 periods[i] = 1
             else:
                 pending.setdefault(group["period_search"], []).append(i)
-            grads.append(grad if grad.is_contiguous() else grad.contiguous())
         for variant, idx in pending.items():
-            found = self._search_periods([grads[i] for i in idx],
-                                         [tuple(items[i][0].shape) for i in idx], variant)
+            # A strided gradient is made contiguous one tensor at a time, by the search.
+            found = self._search_periods([items[i][1] for i in idx],
+                                         [tuple(items[i][0].shape) for i in idx],
+                                         [items[i][2] for i in idx], variant)
             for i, period in zip(idx, found):
                 periods[i] = period
         for (_, grad, name, _), period in zip(items, periods):

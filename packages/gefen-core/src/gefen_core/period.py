@@ -246,7 +246,8 @@ def search_period(grad: Tensor, shape: tuple[int, ...], *, variant: str = "log_c
 
 
 def search_periods(grads: Sequence[Tensor], shapes: Sequence[tuple[int, ...]], *,
-                   variant: str = "log_contrast", fallback: bool = True) -> list[int]:
+                   variant: str = "log_contrast", fallback: bool = True,
+                   names: Sequence[str] | None = None) -> list[int]:
     """:func:`search_period` for many tensors with one device-to-host sync per device.
 
     Every tensor's scores are launched first (one pass over each gradient, asynchronous on
@@ -259,29 +260,32 @@ def search_periods(grads: Sequence[Tensor], shapes: Sequence[tuple[int, ...]], *
         grads: the (local) gradients, as for :func:`search_period`; devices may differ.
         shapes: the parameters' (global) shapes, one per gradient.
         variant, fallback: as for :func:`search_period`, applied to every tensor.
+        names: what an error calls each tensor (e.g. the parameter names); default
+            ``grads[i]``.
 
     Returns:
         The periods, one ``int`` per gradient, in order.
 
     Raises:
         TypeError, ValueError: as :func:`search_period`, for the first offending tensor (named
-            by its position), before any score is computed; ``grads`` and ``shapes`` of
-            different lengths.
+            by ``names`` or its position), before any score is computed (a non-finite gradient:
+            after); ``grads``, ``shapes`` and ``names`` of different lengths.
     """
     grads = list(grads)
     shapes = list(shapes)
-    if len(grads) != len(shapes):
-        raise ValueError(f"grads and shapes must have the same length, got {len(grads)} and "
-                         f"{len(shapes)}")
+    labels = [f"grads[{i}]" for i in range(len(grads))] if names is None else list(names)
+    if not len(grads) == len(shapes) == len(labels):
+        raise ValueError(f"grads, shapes and names must have the same length, got "
+                         f"{len(grads)}, {len(shapes)} and {len(labels)}")
     plans = []
     for idx, (grad, shape) in enumerate(zip(grads, shapes)):
         try:
             _check_grad(grad, variant)
             plans.append(_plan(grad, shape, variant))
         except (TypeError, ValueError) as err:
-            if len(grads) == 1:
+            if len(grads) == 1 and names is None:
                 raise
-            raise type(err)(f"grads[{idx}]: {err}") from err
+            raise type(err)(f"{labels[idx]}: {err}") from err
     # Launch everything, then one read per device.
     per_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
     for idx, (grad, plan) in enumerate(zip(grads, plans)):
@@ -299,7 +303,7 @@ def search_periods(grads: Sequence[Tensor], shapes: Sequence[tuple[int, ...]], *
         try:
             out.append(_decide(plan, scores[idx], fallback))
         except ValueError as err:
-            if len(grads) == 1:
+            if len(grads) == 1 and names is None:
                 raise
-            raise ValueError(f"grads[{idx}]: {err}") from err
+            raise ValueError(f"{labels[idx]}: {err}") from err
     return out

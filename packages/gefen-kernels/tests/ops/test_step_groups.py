@@ -66,6 +66,14 @@ def _tensors(dev: str, seed: int, cases: list[Any] = CASES) -> list[dict[str, An
     return out
 
 
+def _unaligned(grad: torch.Tensor) -> torch.Tensor:
+    """A copy of ``grad`` one element past a 16-byte boundary (not 16-byte aligned)."""
+    buf = torch.empty(grad.numel() + 1, dtype=grad.dtype, device=grad.device)
+    out = buf[1:].view_as(grad)
+    out.copy_(grad)
+    return out
+
+
 def _clone(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in it.items()}
             for it in items]
@@ -199,7 +207,9 @@ def test_staged_launch_with_device_scalars_equals_launch(force_loop, monkeypatch
     """stage() into one reused buffer + launch_staged(device_scalars=True), the form a CUDA
     graph captures and replays, gives the bits of launch() over two steps with different
     scalars and seeds, for grouped classes, statistics-only classes and plans launched alone
-    (which then read their scalars and seed from the buffer: another compiled variant)."""
+    (which then read their scalars and seed from the buffer: another compiled variant). The
+    lone plans: an unaligned tile-route gradient and split-route tensors; with ``force_loop``
+    also loop-route ones (StepPlan's device-scalar variants of the tile and loop kernels)."""
     if force_loop:  # periods above 32 take the loop route (choose_route is speed-only)
         step_plan = importlib.import_module("gefen_kernels.ops.step_plan")
         monkeypatch.setattr(step_plan, "choose_route",
@@ -208,6 +218,8 @@ def test_staged_launch_with_device_scalars_equals_launch(force_loop, monkeypatch
     cb = make_codebook(3).to(dev)
     base = _tensors(dev, seed=40)
     a, b = _clone(base), _clone(base)
+    for it in (a[1], b[1]):
+        it["grad"] = _unaligned(it["grad"])  # a tile-route plan launched alone
     plans_a = _plans(a, cb, maximize=False, stochastic_round=True)
     plans_b = _plans(b, cb, maximize=False, stochastic_round=True)
     grads_a = [it["grad"] for it in a]
@@ -221,13 +233,14 @@ def test_staged_launch_with_device_scalars_equals_launch(force_loop, monkeypatch
         groups_a.launch(grads_a, scalars, seeds)
         assert groups_b.stage(grads_b, scalars, seeds, out=buffer) is buffer
         groups_b.launch_staged(grads_b, buffer, None, None, device_scalars=True)
-        # The next step's gradients at new addresses (autograd re-allocates them): grouped
-        # ones reach the kernels through the staged offsets only.
-        grads_b = [g.clone() for g in grads_b]
+        # The next step's gradients at new addresses (autograd re-allocates them), each with
+        # its alignment: grouped ones reach the kernels through the staged offsets only.
+        grads_b = [_unaligned(g) if g.data_ptr() % 16 else g.clone() for g in grads_b]
     _compare(b, a)
-    direct = set(groups_b._singles).union(
-        i for cls in groups_b._classes if cls.stats_only for i in cls.members)
-    assert groups_b.direct == sorted(direct)
+    # Launched with their own gradient's address: the unaligned one, the empty one and every
+    # plan off the tile route (alone, or the update of a statistics-only class).
+    assert groups_b.direct == [i for i, plan in enumerate(plans_b)
+                               if i == 1 or plan.numel == 0 or plan.route != "tile"]
 
 
 def test_groups_signature_tracks_gradient_dtype_and_alignment() -> None:

@@ -174,7 +174,8 @@ def launch_groups(groups: Any, grads: Sequence[Tensor],
 
     The caller guarantees what the graph's raw addresses depend on besides the gradients: the
     plans' tensors are those the groups were built for, at the same addresses, and the codebook
-    is unmodified (:class:`gefen_core._steady_step.SteadyStep` checks all of it).
+    is unmodified and where it was (:class:`gefen_core._steady_step.SteadyStep` checks all of
+    it).
 
     Args:
         grads: contiguous gradients fitting ``groups.matches``.

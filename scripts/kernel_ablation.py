@@ -99,22 +99,12 @@ VARIANTS: dict[str, tuple[str, list[Patch]]] = {
             (
                 _SK,
                 "        h = tl.math.sqrt_rn(big_v * bc2)\n        h = h + eps\n"
-                "        sigma = tl_recip_rn(h) * bc1",
+                "        sigma = tl.math.div_rn(1.0, h) * bc1",
                 "        h = tl.sqrt(big_v * bc2)\n        h = h + eps\n        sigma = bc1 / h",
             ),
         ],
     ),
 }
-# Before the twelfth session (2026-11-30): every element divided its offset into a row and a
-# column and gathered both statistics, and 1/h was a general division.
-VARIANTS["per_element_stats"] = (
-    "candidate (factored): row/column statistics per element, not per block (before IN_ROW)",
-    [(_SK, "    if FACTORED and IN_ROW:", "    if FACTORED and IN_ROW and False:")],
-)
-VARIANTS["div_for_recip"] = (
-    "candidate (factored): 1/h by div.rn.f32 instead of rcp.rn.f32",
-    [(_SK, "        sigma = tl_recip_rn(h) * bc1", "        sigma = tl.math.div_rn(1.0, h) * bc1")],
-)
 VARIANTS["load_cb"] = (
     "candidate: momentum codeword by a load from global memory (before run 6)",
     [(_SK, "_codewords(cb_ptr, code), g)", "tl.load(cb_ptr + code), g)")],

@@ -25,7 +25,6 @@ from kernels_oracle import (
 )
 
 from gefen_kernels import _numerics
-from gefen_kernels.ops import _step_kernels
 from gefen_kernels.ops._step_kernels import launch_step
 from gefen_kernels.ops._step_ref import make_scalars
 from gefen_kernels.ops.factored_step import (
@@ -295,42 +294,6 @@ def test_triton_matches_reference(rows: int, cols: int, period: int, dtype: torc
     grad = (torch.randn(rows, cols, generator=gen) * 0.05).to(dtype).to(dev)
     st = {k: v.to(dev) for k, v in make_state(rows, cols, period, seed=period).items()}
     _pair(param, grad, st, make_codebook(period).to(dev))
-
-
-def test_parity_cases_cover_both_tile_column_layouts() -> None:
-    """The tile route reads a block's statistics per element or, when the period divides the
-    column count (``IN_ROW``), once per block and contiguously: PARITY must run both."""
-    tile = [(c, p) for r, c, p in PARITY
-            if _step_kernels.choose_route(r * c // p, p, torch.device("cpu")) == "tile"]
-    assert {_step_kernels.blocks_in_rows(True, p, c) for c, p in tile} == {True, False}
-    assert not _step_kernels.blocks_in_rows(False, 32, 96)
-
-
-@pytest.mark.parametrize("rows,cols,period", [(64, 96, 32), (31, 33, 3), (4, 40, 20),
-                                              (3, 4096, 1024)])
-def test_blocks_in_rows_equal_per_element_statistics(monkeypatch, rows: int, cols: int,
-                                                     period: int) -> None:
-    """The tile route with one row statistic per block (``IN_ROW``) gives the same bits as
-    the per-element division it replaces, forced here by turning ``IN_ROW`` off."""
-    dev = _device()
-    gen = torch.Generator().manual_seed(rows * cols + period)
-    param = torch.randn(rows, cols, generator=gen).to(torch.bfloat16).to(dev)
-    grad = (torch.randn(rows, cols, generator=gen) * 0.05).to(torch.bfloat16).to(dev)
-    st = {k: v.to(dev) for k, v in make_state(rows, cols, period, seed=period).items()}
-    cb = make_codebook(period).to(dev)
-    assert _step_kernels.blocks_in_rows(True, period, cols)
-    results = []
-    for in_row in (True, False):
-        monkeypatch.setattr(_step_kernels, "blocks_in_rows", lambda *a, v=in_row: v)
-        p, s = param.clone(), clone_state(st)
-        factored_step_triton(p, grad, s["codes"], s["scale"], s["row"], s["col"], cb,
-                             **_hyper(3, 1e-3, 0.01))
-        results.append((p, s))
-    (p1, s1), (p0, s0) = results
-    assert_bitwise(s1["codes"], s0["codes"], "codes")
-    assert_bitwise(s1["scale"], s0["scale"], "scale")
-    assert_bitwise(p1, p0, "param")
-    assert not torch.equal(p1, param)
 
 
 @pytest.mark.parametrize("route,rows,cols,period,split,tile", [

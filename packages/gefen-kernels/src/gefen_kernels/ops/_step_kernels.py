@@ -47,7 +47,6 @@ from ._triton_helpers import (
     tl_nan_max,
     tl_quantize_nearest,
     tl_quantize_stochastic,
-    tl_recip_rn,
     tl_round_to,
 )
 from ._triton_helpers import tl_codewords as _codewords  # c[code] (a register gather)
@@ -197,36 +196,23 @@ def _stored_block_scalars(s_ptr, v_ptr, eps, bc2, bc1, FACTORED: tl.constexpr): 
 
 
 @jit
-def _update_inputs(p_ptr, inv_rbar_ptr, offs, mask, r, k, bc2, bc1, eps,  # type: ignore[no-untyped-def]
-                   FACTORED: tl.constexpr):
+def _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, ncols_magic,  # type: ignore[no-untyped-def]
+                   ncols_shift, bc2, bc1, eps, FACTORED: tl.constexpr, OFFS64: tl.constexpr):
     """The parameter values and (factored mode) the per-element ``V`` and ``sigma`` of
-    ``offs`` from the row and column statistics ``r`` and ``k`` (loaded by the caller: per
-    element, or per block and broadcast). Called before the block reduction and the
-    quantisation, so these loads are in flight while they run instead of after them (the
-    tile route is latency-bound otherwise)."""
+    ``offs``. Called before the block reduction and the quantisation, so these loads are in
+    flight while they run instead of after them (the tile route is latency-bound otherwise)."""
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     big_v = p  # unused in block mode
     sigma = p
     if FACTORED:
-        big_v = (r * k) * tl.load(inv_rbar_ptr)
-        h = tl.math.sqrt_rn(big_v * bc2)
-        h = h + eps
-        sigma = tl_recip_rn(h) * bc1
-    return p, big_v, sigma
-
-
-@jit
-def _flat_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, ncols_magic,  # type: ignore[no-untyped-def]
-                        ncols_shift, bc2, bc1, eps, FACTORED: tl.constexpr,
-                        OFFS64: tl.constexpr):
-    """:func:`_update_inputs` with each element's row and column divided out of ``offs``."""
-    r = offs  # unused in block mode
-    k = offs
-    if FACTORED:
         row, col = _row_col(offs, ncols, ncols_magic, ncols_shift, OFFS64)
         r = tl.load(row_ptr + row, mask=mask, other=0.0)
         k = tl.load(col_ptr + col, mask=mask, other=0.0)
-    return _update_inputs(p_ptr, inv_rbar_ptr, offs, mask, r, k, bc2, bc1, eps, FACTORED)
+        big_v = (r * k) * tl.load(inv_rbar_ptr)
+        h = tl.math.sqrt_rn(big_v * bc2)
+        h = h + eps
+        sigma = tl.math.div_rn(1.0, h) * bc1
+    return p, big_v, sigma
 
 
 @jit
@@ -265,11 +251,10 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                  table_ptr, num_blocks, period, ncols, ncols_magic, ncols_shift, b1, omb1, b2,
                  omb2, eps, lr, bc2, bc1, decay, seed_u, BPP: tl.constexpr, P2: tl.constexpr,
                  FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 STEPS: tl.constexpr, OFFS64: tl.constexpr, IN_ROW: tl.constexpr):
+                 STEPS: tl.constexpr, OFFS64: tl.constexpr):
     """The tile route's work for program ``pid`` of one tensor: blocks
     ``[pid * BPP, (pid + 1) * BPP)`` as a ``[BPP, P2]`` register tile. ``OFFS64``: int64
-    offsets, else int32 (``pid``, ``num_blocks`` and ``period`` must then be int32).
-    ``IN_ROW`` (factored mode, :func:`blocks_in_rows`): the period divides the column count."""
+    offsets, else int32 (``pid``, ``num_blocks`` and ``period`` must then be int32)."""
     period = _index(period, OFFS64)
     num_blocks = _index(num_blocks, OFFS64)
     blocks = _index(pid, OFFS64) * BPP + _index(tl.arange(0, BPP), OFFS64)
@@ -279,19 +264,9 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
     offs = blocks[:, None] * period + cols[None, :]
     s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
     g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
-    if FACTORED and IN_ROW:
-        # Each block lies in one row (P divides C): one row statistic per block, and the
-        # column statistics of a block are contiguous (vector loads), instead of a division
-        # and two gathers per element. The same values, so the same bits.
-        brow, bcol = _row_col(blocks * period, ncols, ncols_magic, ncols_shift, OFFS64)
-        r = tl.load(row_ptr + brow, mask=bmask, other=0.0)[:, None]
-        k = tl.load(col_ptr + (bcol[:, None] + cols[None, :]), mask=mask, other=0.0)
-        p, big_v, sigma_elem = _update_inputs(p_ptr, inv_rbar_ptr, offs, mask, r, k, bc2, bc1,
-                                              eps, FACTORED)
-    else:
-        p, big_v, sigma_elem = _flat_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs,
-                                                   mask, ncols, ncols_magic, ncols_shift, bc2,
-                                                   bc1, eps, FACTORED, OFFS64)
+    p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
+                                          ncols, ncols_magic, ncols_shift, bc2, bc1, eps,
+                                          FACTORED, OFFS64)
     s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
     sigma = s_new  # unused in factored mode
     if not FACTORED:
@@ -312,15 +287,14 @@ def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                       ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
                       BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
                       MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
-                      SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr,
-                      IN_ROW: tl.constexpr):
+                      SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr):
     """Tile route: program ``pid`` owns blocks ``[pid * BPP, (pid + 1) * BPP)``."""
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
     _tile_blocks(tl.program_id(0), p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr,
                  col_ptr, inv_rbar_ptr, cb_ptr, table_ptr, num_blocks, period, ncols, ncols_magic,
                  ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay,
                  _load_seed(seed_ptr, seed, SEED_PTR), BPP,
-                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64, IN_ROW)
+                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64)
 
 
 @jit(do_not_specialize=["seed", "num_blocks", "ncols_magic", "ncols_shift"])
@@ -350,9 +324,9 @@ def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
         mask = start + lanes < period
         offs = base + start + lanes
         g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
-        p, big_v, sigma_elem = _flat_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs,
-                                                   mask, ncols, ncols_magic, ncols_shift, bc2,
-                                                   bc1, eps, FACTORED, OFFS64)
+        p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
+                                              ncols, ncols_magic, ncols_shift, bc2, bc1,
+                                              eps, FACTORED, OFFS64)
         _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma, p, big_v,
                sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
         start += TILE
@@ -414,18 +388,11 @@ def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr
         mask = pos < period
         offs = block * period + pos
         g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old, b1, omb1, MAXIMIZE)
-        p, big_v, sigma_elem = _flat_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs,
-                                                   mask, ncols, ncols_magic, ncols_shift, bc2,
-                                                   bc1, eps, FACTORED, OFFS64)
+        p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
+                                              ncols, ncols_magic, ncols_shift, bc2, bc1,
+                                              eps, FACTORED, OFFS64)
         _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma, p, big_v,
                sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
-
-
-def blocks_in_rows(factored: bool, period: int, ncols: int) -> bool:
-    """The tile route's ``IN_ROW``: in factored mode, whether every block lies inside one row
-    (the period divides the column count), so a block needs one row statistic and reads its
-    column statistics contiguously."""
-    return bool(factored) and ncols % period == 0
 
 
 def tile_warps(elements: int) -> int:
@@ -497,8 +464,8 @@ def launch_step(
             flat_p, flat_g, codes, scale, v_ptr, row_ptr, col_ptr, inv_ptr, codebook, table,
             hyper_ptr, seed_ptr, num_blocks, period, ncols, magic, shift, b1, f32(1.0 - b1), b2,
             f32(1.0 - b2), f32(eps), scal["lr"], scal["bc2"], scal["bc1"], scal["decay"],
-            to_signed64(seed), BPP=bpp, P2=p2, IN_ROW=blocks_in_rows(factored, period, ncols),
-            **common, **flags, num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
+            to_signed64(seed), BPP=bpp, P2=p2, **common, **flags,
+            num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
     elif route == "loop":
         _step_loop_kernel[(num_blocks,)](
             flat_p, flat_g, codes, scale, v_ptr, row_ptr, col_ptr, inv_ptr, codebook, table,

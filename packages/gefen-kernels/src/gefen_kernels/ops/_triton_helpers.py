@@ -34,20 +34,6 @@ def tl_momentum_ema(beta1, one_minus_beta1, scale, codeword, grad):
 
 
 @jit
-def tl_recip_rn(x):  # type: ignore[no-untyped-def]
-    """``f32(1 / x)`` rounded to nearest (IEEE), the value of ``tl.math.div_rn(1.0, x)``.
-
-    Compiled, PTX ``rcp.rn.f32``: the same correctly rounded result as ``div.rn.f32`` with a
-    dividend of one, without the general division's dividend range check (``FCHK``) and
-    its branch. The interpreter has no inline PTX and divides."""
-    if INTERPRETED:
-        return tl.math.div_rn(1.0, x)
-    else:
-        return tl.inline_asm_elementwise("rcp.rn.f32 $0, $1;", "=r,r", [x],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-
-
-@jit
 def tl_codewords(cb_ptr, code):  # type: ignore[no-untyped-def]
     """``c[code]`` for an int32 ``code`` tensor (1-D or 2-D, values in ``[0, 255]``).
 

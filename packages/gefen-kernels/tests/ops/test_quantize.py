@@ -384,6 +384,23 @@ def test_decision_table_matches_the_reference(which: str) -> None:
     assert kernel_table(cb, stochastic=True)[1] >= 1
 
 
+@pytest.mark.parametrize("which", list(_decision_codebooks()))
+def test_decision_table_search_near_the_midpoint_equals_the_whole_bucket(monkeypatch,
+                                                                         which: str) -> None:
+    """The build looks for each bucket's jump near its codewords' midpoint first: the table
+    must equal the one from bisecting every whole bucket, both where the window holds the jump
+    and where it misses (a window of 0 keys misses most jumps and falls back)."""
+    from gefen_kernels.ops import _decision_table
+
+    cb = _decision_codebooks()[which]
+    tables = []
+    for window in (2**40, _decision_table._WINDOW, 0):
+        monkeypatch.setattr(_decision_table, "_WINDOW", window)
+        tables.append(_decision_table.build_decision_table(cb))
+    assert tables[0] is not None
+    assert torch.equal(tables[1], tables[0]) and torch.equal(tables[2], tables[0])
+
+
 def test_decision_table_refuses_two_jumps_in_one_bucket() -> None:
     from gefen_kernels.ops._decision_table import build_decision_table
     from gefen_kernels.ops._search_table import kernel_table

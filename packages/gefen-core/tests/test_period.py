@@ -21,6 +21,8 @@ from gefen_core.period import (
     search_period,
     search_periods,
 )
+from gefen_kernels._triton import interpret_mode, triton_available
+from gefen_kernels.ops.period_scores import multi_period_scores_triton
 
 
 # ------------------------------------------------------------------------------------------
@@ -168,21 +170,21 @@ def test_zero_rows_give_a_variance_period() -> None:
 
 def test_one_period_scores_call_and_one_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = period_mod.period_scores
+    real = period_mod.multi_period_scores
 
-    def counting(grad, candidates, variant):
-        out = real(grad, candidates, variant)
-        calls.append((candidates.tolist(), variant))
+    def counting(grads, candidates, variant):
+        out = real(grads, candidates, variant)
+        calls.append(([c.tolist() for c in candidates], variant))
         return out
 
-    monkeypatch.setattr(period_mod, "period_scores", counting)
+    monkeypatch.setattr(period_mod, "multi_period_scores", counting)
     g = make_grad((48, 64), seed=1, kind="row_scaled")
     search_period(g, (48, 64), variant="log_contrast")
     search_period(g, (48, 64), variant="variance")
     assert len(calls) == 2
     # Every candidate with >= 4 blocks is scored in the one call (and p = 1).
-    assert calls[0][0] == [p for p in brute_divisors(3072) if 3072 // p >= 4]
-    assert calls[1][0] == [p for p in brute_divisors(3072) if p < 3072]
+    assert calls[0][0] == [[p for p in brute_divisors(3072) if 3072 // p >= 4]]
+    assert calls[1][0] == [[p for p in brute_divisors(3072) if p < 3072]]
 
 
 # ------------------------------------------------------------------------------------------
@@ -217,6 +219,43 @@ def test_search_periods_equals_naive_per_tensor_with_one_readback(
     t = make_grad((96, 32), seed=3, kind="row_scaled").t()
     assert search_periods([t], [(32, 96)], variant=variant) == [
         naive_period(t.contiguous(), (32, 96), variant)]
+
+
+# The op as dispatched (CPU: the reference) and, where Triton runs here (CUDA, or its CPU
+# interpreter), the batched Triton path on the same tensors.
+SCORE_PATHS = ["op"] + (["triton"] if triton_available() and (
+    torch.cuda.is_available() or interpret_mode()) else [])
+
+
+@pytest.mark.parametrize("path", SCORE_PATHS)
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+def test_search_periods_equals_search_period_per_tensor(monkeypatch: pytest.MonkeyPatch,
+                                                        path: str, variant: str) -> None:
+    dev = "cuda" if path == "triton" and torch.cuda.is_available() else "cpu"
+    if path == "triton":
+        monkeypatch.setattr(period_mod, "multi_period_scores", multi_period_scores_triton)
+    calls: list[int] = []
+    real = period_mod.multi_period_scores
+
+    def counting(grads, candidates, variant):
+        calls.append(len(grads))
+        return real(grads, candidates, variant)
+
+    monkeypatch.setattr(period_mod, "multi_period_scores", counting)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    grads = [make_grad(shape, seed=10 + i, kind=kind).to(dev, dtypes[i % 4])
+             for i, (shape, kind) in enumerate(BATCH)]
+    grads.append(make_grad((96, 32), seed=3, kind="row_scaled").to(dev).t())  # strided
+    shapes = [shape for shape, _ in BATCH] + [(32, 96)]
+    got = search_periods(grads, shapes, variant=variant)
+    # One call for the contiguous tensors that need a search (numel 1 does not), one for the
+    # strided one, whose copy is made for that call alone.
+    assert calls == [len(BATCH) - 1, 1]
+    calls.clear()
+    assert got == [search_period(g, s, variant=variant) for g, s in zip(grads, shapes)]
+    assert calls == [1] * (len(grads) - 1)
+    assert got == [1 if g.numel() == 1 else naive_period(g.float().cpu(), s, variant)
+                   for g, s in zip(grads, shapes)]
 
 
 def test_search_periods_errors_name_the_position() -> None:

@@ -6,7 +6,8 @@ Triton specialises it (``period.to(tl.float32)`` then fails), a pointer or integ
 by 16 gets an alignment attribute, a ``tl.constexpr`` branch that the interpreter never took is
 type-checked. This script drives the real launchers (``block_step_triton``,
 ``factored_step_triton``, ``multi_block_step_triton``, ``StepGroups``, the quantize launchers,
-the Muon momentum launcher, the period scores and the histogram) over every route and
+the Muon momentum launcher, the period scores of one and of many tensors and the histogram)
+over every route and
 constexpr combination they can pick, records each launch instead of running it, applies
 Triton's launch-time specialisation rules (ints equal to 1 -> constexpr, ints and pointers
 divisible by 16 -> ``tt.divisibility``), and compiles the result ahead of time with
@@ -420,6 +421,22 @@ def scenarios() -> Iterator[Callable[[], None]]:
             finally:
                 ps_mod._CHUNK_TRITON = original
         yield run_ps
+
+        def run_ps_many(variant: str = variant) -> None:
+            # Several rounds and prefix classes (every dtype, aligned and unaligned chunks),
+            # several chunks per tensor; a call with one slot and one pair (ints equal to 1).
+            saved = ps_mod._CHUNK_TRITON, ps_mod._ROUND_SHARE
+            ps_mod._CHUNK_TRITON, ps_mod._ROUND_SHARE = 4096, 1
+            try:
+                grads, cands = _period_mix(variant)
+                ps_mod.multi_period_scores_triton(grads, [torch.tensor(c) for c in cands],
+                                                  variant)
+                one = [1] if variant == "variance" else [2]
+                ps_mod.multi_period_scores_triton([torch.zeros(4)], [torch.tensor(one)],
+                                                  variant)
+            finally:
+                ps_mod._CHUNK_TRITON, ps_mod._ROUND_SHARE = saved
+        yield run_ps_many
     for gdt in gdtypes:
         def run_hist(gdt: torch.dtype = gdt) -> None:
             for n, period, route in ((64 * 48, 48, None), (3 * 5003, 5003, None),
@@ -466,6 +483,88 @@ def _group_launch(cases: list[tuple[tuple[int, ...], int]], pdt: torch.dtype,
             buf = torch.zeros(g.numel() + 1, dtype=g.dtype)
             shifted.append(buf[1:].view_as(g))
         StepGroups(plans, shifted).launch(shifted, scalars, [3] * len(plans))
+
+
+def _period_mix(variant: str) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Gradients of every batched dtype, 16-byte aligned or not, of one to three chunks of 4096
+    elements, with their candidates (at most 40 each)."""
+    grads = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shift, n in ((0, 12), (0, 3 * 4096 * 5 // 6), (1, 3000)):
+            grads.append(torch.zeros(n + shift, dtype=dtype)[shift:])
+    cands = [[p for p in range(1, g.numel()) if g.numel() % p == 0
+              and (variant == "variance" or g.numel() // p >= 2)][:40] for g in grads]
+    return grads, cands
+
+
+# One-tensor period kernel -> its batched twin. The batched kernels look their segment or pair
+# up in a table (scalar loads, no layout); the one-tensor terms kernel instead finds its
+# candidate with a vector over the candidates: one load and one integer reduction that lead its
+# list and are skipped.
+_PERIOD_PAIRS = {"_period_prefix_kernel": ("_multi_prefix_kernel", 0),
+                 "_period_terms_kernel": ("_multi_terms_kernel", 2),
+                 "_period_carry_kernel": ("_multi_carry_kernel", 0)}
+
+
+def compare_period_layouts() -> int:
+    """Compile every one-tensor period-score launch (``period_scores_triton``) and every
+    batched one (``multi_period_scores_triton``) of :func:`_period_mix`'s tensors to TTGIR and
+    compare :func:`layouts` of each one-tensor kernel with every batched twin of the same
+    variant (prefix kernels: also the same gradient dtype and alignment). Prints one line per
+    one-tensor configuration; returns the number that differ from some twin."""
+    from gefen_kernels.ops import period_scores as ps_mod
+
+    def run(variant: str, many: bool) -> None:
+        saved = ps_mod._CHUNK_TRITON, ps_mod._ROUND_SHARE
+        ps_mod._CHUNK_TRITON, ps_mod._ROUND_SHARE = 4096, 1
+        try:
+            grads, cands = _period_mix(variant)
+            tensors = [torch.tensor(c) for c in cands]
+            if many:
+                ps_mod.multi_period_scores_triton(grads, tensors, variant)
+            else:
+                for g, c in zip(grads, tensors):
+                    ps_mod.period_scores_triton(g, c, variant)
+        finally:
+            ps_mod._CHUNK_TRITON, ps_mod._ROUND_SHARE = saved
+
+    def class_of(launch: Launch) -> tuple[Any, ...]:
+        first = launch.kernel.arg_names[0]  # the gradient (g_ptr / g_base)
+        aligned = (0,) in launch.attrs
+        if launch.kernel.__name__ == "_multi_prefix_kernel":
+            aligned = launch.constexpr("G_VEC") > 1
+        return (launch.constexpr("LOG_CONTRAST"), launch.signature[first], aligned)
+
+    variants = ("log_contrast", "variance")
+    single = record_launches(iter([functools.partial(run, v, False) for v in variants]))
+    batched = record_launches(iter([functools.partial(run, v, True) for v in variants]))
+    ttgir: dict[int, list[str]] = {}
+
+    def lay(launch: Launch) -> list[str]:
+        if id(launch) not in ttgir:
+            ttgir[id(launch)] = layouts(str(compile_launch(launch, "ttgir")))
+        return ttgir[id(launch)]
+
+    different = 0
+    for launch in single:
+        name = launch.kernel.__name__
+        if name not in _PERIOD_PAIRS:
+            continue
+        twin_name, skip = _PERIOD_PAIRS[name]
+        prefix = name == "_period_prefix_kernel"
+        twins = [t for t in batched if t.kernel.__name__ == twin_name
+                 and t.constexpr("LOG_CONTRAST") == launch.constexpr("LOG_CONTRAST")
+                 and (not prefix or class_of(t) == class_of(launch))]
+        a = lay(launch)[skip:]
+        same = bool(twins) and bool(a) and all(lay(t) == a for t in twins)
+        different += not same
+        print(f"{launch.describe()} / {len(twins)} x {twin_name}: "
+              f"{'same layouts' if same else 'DIFFERENT'}", flush=True)
+        if not same:
+            print(f"  one-tensor: {a}")
+            for t in twins:
+                print(f"  batched:    {lay(t)}")
+    return different
 
 
 REGISTERS_PER_SM = 65536  # sm_90 register file, 32-bit registers
@@ -585,8 +684,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="last compiler stage to run (default: ttgir; cubin needs ptxas)")
     parser.add_argument("--list", action="store_true", help="print each configuration")
     parser.add_argument("--compare-layouts", action="store_true",
-                        help="compare the grouped kernels' TTGIR layouts with the one-tensor "
-                             "kernels' (same bits need the same layouts); exit 1 if any differ")
+                        help="compare the grouped step kernels' and the batched period-score "
+                             "kernels' TTGIR layouts with the one-tensor kernels' (same bits "
+                             "need the same layouts); exit 1 if any differ")
     parser.add_argument("--resources", action="store_true",
                         help="compile to cubin and print registers, spills and register-limited "
                              "warps per SM of every distinct configuration")
@@ -594,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_layouts:
         import triton
 
-        different = compare_group_layouts()
+        different = compare_group_layouts() + compare_period_layouts()
         print(f"triton {triton.__version__}: {different} kernel pairs with different layouts")
         return 1 if different else 0
     if args.resources:

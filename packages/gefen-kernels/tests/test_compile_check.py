@@ -46,7 +46,9 @@ def test_every_kernel_compiles_for_sm90() -> None:
                    "_factored_stats_kernel", "_factored_finalize_kernel",
                    "_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel",
                    "_quantize_kernel", "_muon_tile_kernel", "_muon_loop_kernel",
-                   "_muon_apply_kernel"):
+                   "_muon_apply_kernel", "_period_prefix_kernel", "_period_offsets_kernel",
+                   "_period_terms_kernel", "_period_carry_kernel", "_multi_prefix_kernel",
+                   "_multi_terms_kernel", "_multi_carry_kernel"):
         assert kernel in report, f"{kernel} was never launched by the scenarios:\n{report}"
 
 
@@ -54,16 +56,18 @@ def test_every_kernel_compiles_for_sm90() -> None:
 @pytest.mark.skipif(not _compile_api_usable(),
                     reason="Triton's ahead-of-time compile API for CUDA is not importable here")
 def test_grouped_kernels_compile_to_the_one_tensor_layouts() -> None:
-    """The grouped kernels (ops/_group_kernels.py) must sum in the one-tensor kernels' order to
-    give the same bits, i.e. compile to the same load and reduction layouts: the interpreter
-    cannot see layouts, the compiler can (``compile_check.py --compare-layouts``)."""
+    """The grouped step kernels (ops/_group_kernels.py) and the batched period-score kernels
+    (ops/_period_kernels.py) must sum in the one-tensor kernels' order to give the same bits,
+    i.e. compile to the same load and reduction layouts: the interpreter cannot see layouts,
+    the compiler can (``compile_check.py --compare-layouts``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(HERE / "compile_check.py"), "--compare-layouts"],
                           capture_output=True, text=True, env=env, timeout=580)
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report[-8000:]
     assert " 0 kernel pairs with different layouts" in report, report[-2000:]
-    for kernel in ("_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel"):
+    for kernel in ("_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel",
+                   "_multi_prefix_kernel", "_multi_terms_kernel", "_multi_carry_kernel"):
         assert kernel in report, report[-2000:]
 
 

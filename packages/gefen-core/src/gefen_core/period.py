@@ -1,10 +1,12 @@
 """Block-period search (ALGORITHM.md §1.7.2-§1.7.4, open choice O2, weakness §8 items 2-3).
 
-:func:`search_period` scores every candidate period of a gradient with one call of the
-``gefen_kernels`` op ``period_scores`` (one pass of chunked fp64 prefix sums over the tensor, no
-pass and no host sync per candidate) and reads the scores back with a single device-to-host
-copy; the decision rules run on the host. :func:`search_periods` does the same for many
-tensors (a whole model's first step) with one device-to-host copy per device in all.
+:func:`search_period` scores every candidate period of a gradient with the ``gefen_kernels``
+op ``multi_period_scores`` (one pass of chunked fp64 prefix sums over the tensor, no pass and no
+host sync per candidate) and reads the scores back with a single device-to-host copy; the
+decision rules run on the host. :func:`search_periods` does the same for many tensors (a whole
+model's first step) with one call of the op and one device-to-host copy per device: on CUDA its
+Triton path scores all of a device's tensors in a number of launches that follows their total
+size, not their number.
 
 Determinism (§1.7.6, §1.15): the scores are computed with fixed-order reductions on every
 backend (the op has no atomics), so there is no separate deterministic mode: the same gradient on
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gefen_kernels.ops.period_scores import VARIANTS, period_scores, reject_dtensor
+from gefen_kernels.ops.period_scores import VARIANTS, multi_period_scores, reject_dtensor
 
 __all__ = [
     "FALLBACK_CAP",
@@ -188,12 +190,6 @@ def _plan(grad: Tensor, shape: object, variant: str) -> _Plan:
     return _Plan(numel, checked, variant, cands, scored)
 
 
-def _launch(grad: Tensor, plan: _Plan) -> Tensor:
-    """The scores on ``grad``'s device (float64 ``[len(plan.scored)]``); no host sync."""
-    return period_scores(grad.detach().contiguous(),
-                         torch.tensor(plan.scored, dtype=torch.int64), plan.variant)
-
-
 def _decide(plan: _Plan, scores: list[float], fallback: bool) -> int:
     if plan.numel == 1:
         return 1
@@ -250,11 +246,13 @@ def search_periods(grads: Sequence[Tensor], shapes: Sequence[tuple[int, ...]], *
                    names: Sequence[str] | None = None) -> list[int]:
     """:func:`search_period` for many tensors with one device-to-host sync per device.
 
-    Every tensor's scores are launched first (one pass over each gradient, asynchronous on
-    CUDA), then each device's scores are concatenated and read back with a single copy, and the
-    decision rules run on the host. The result equals ``[search_period(g, s, ...) for g, s in
-    zip(grads, shapes)]`` exactly (same scores, same rules); a model's first step costs one sync
-    instead of one per tensor.
+    Each device's contiguous gradients are scored by one ``multi_period_scores`` call (one pass
+    over each gradient, asynchronous on CUDA; a strided gradient is copied and scored by a call
+    of its own) before any score is read; then each device's scores are concatenated and read
+    back with a single copy, and the decision rules run on the host. The result equals
+    ``[search_period(g, s, ...) for g, s in zip(grads, shapes)]`` exactly (a tensor's scores do
+    not depend on the other tensors of the call; same rules); a model's first step costs one
+    sync instead of one per tensor.
 
     Args:
         grads: the (local) gradients, as for :func:`search_period`; devices may differ.
@@ -286,13 +284,29 @@ def search_periods(grads: Sequence[Tensor], shapes: Sequence[tuple[int, ...]], *
             if len(grads) == 1 and names is None:
                 raise
             raise type(err)(f"{labels[idx]}: {err}") from err
-    # Launch everything, then one read per device.
-    per_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
+    # Launch every device's scores, then one read per device.
+    def launch(members: list[int]) -> list[tuple[int, Tensor]]:
+        outs = multi_period_scores(
+            [grads[i].detach().contiguous() for i in members],
+            [torch.tensor(plans[i].scored, dtype=torch.int64) for i in members], variant)
+        return list(zip(members, outs))
+
+    per_device: dict[torch.device, list[int]] = {}
     for idx, (grad, plan) in enumerate(zip(grads, plans)):
         if plan.scored:
-            per_device.setdefault(grad.device, []).append((idx, _launch(grad, plan)))
+            per_device.setdefault(grad.device, []).append(idx)
+    launched = []
+    for members in per_device.values():
+        # One call for the contiguous gradients; a strided one is copied and scored alone, so
+        # no two copies are alive at once.
+        dense = [i for i in members if grads[i].is_contiguous()]
+        entries = launch(dense) if dense else []
+        for i in members:
+            if not grads[i].is_contiguous():
+                entries += launch([i])
+        launched.append(entries)
     scores: list[list[float]] = [[] for _ in plans]
-    for entries in per_device.values():
+    for entries in launched:
         flat = torch.cat([t for _, t in entries]).tolist()  # the one sync for this device
         pos = 0
         for idx, t in entries:

@@ -33,6 +33,9 @@ from .ops import (
     sr_uniform_reference,
 )
 from .ops.period_scores import (
+    multi_period_scores,
+    multi_period_scores_reference,
+    multi_period_scores_triton,
     period_scores,
     period_scores_reference,
     period_scores_triton,
@@ -56,6 +59,9 @@ __all__ = [
     "multi_block_step",
     "multi_block_step_reference",
     "multi_block_step_triton",
+    "multi_period_scores",
+    "multi_period_scores_reference",
+    "multi_period_scores_triton",
     "muon_momentum",
     "muon_momentum_reference",
     "period_scores",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -176,10 +178,12 @@ def test_triton_chunking_does_not_change_scores(monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.parametrize("variant", ["log_contrast", "variance"])
 def test_triton_loops_over_many_programs(monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
     # The carry kernel's loops: over a candidate's many terms programs, and (p = 1) over the
-    # tiles' parts, each more than one iteration; an fp64 gradient converted chunk by chunk.
+    # tiles' parts, each more than one iteration; the offsets kernel's loop over blocks of
+    # tile totals; an fp64 gradient converted chunk by chunk.
     pk = importlib.import_module("gefen_kernels.ops._period_kernels")
     monkeypatch.setattr(pk, "ENDS_PER_PROGRAM", 2)
     monkeypatch.setattr(pk, "CARRY_LANES", 2)
+    monkeypatch.setattr(pk, "SCAN_LANES", 2)
     monkeypatch.setattr(ps_mod, "_CHUNK_TRITON", 2500)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for dtype in (torch.float32, torch.float64):
@@ -252,3 +256,239 @@ def test_large_period_scores_keep_full_fp64_precision() -> None:
     got = period_scores_reference(g, torch.tensor(cands), "log_contrast").numpy()
     big = [p for p in cands if p >= 2**14]
     np.testing.assert_allclose(got[-len(big):], _exact_log_contrast(g, big), rtol=1e-12, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Many tensors at once (multi_period_scores)
+# --------------------------------------------------------------------------------------------
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _mix(variant: str, dev: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Sizes 1, a prime and several spanning two chunks of 2500 elements; fp32, bf16, fp16 and
+    fp64; an unaligned view; candidate lists that are full, a subset, p = 1 only or empty."""
+    unaligned = _grad(1, 5001, seed=41, kind="iid").to(dev)[1:]  # 5000 elements, 4-byte offset
+    grads = [_grad(1, 1, seed=31, kind="iid"), _grad(1, 997, seed=32, kind="iid"),
+             _grad(12, 250, seed=33, kind="row_scaled", dtype=torch.bfloat16),
+             _grad(3, 1031, seed=34, kind="row_scaled", dtype=torch.float16),
+             _grad(8, 300, seed=35, kind="zeros"),
+             _grad(16, 160, seed=36, kind="row_scaled", dtype=torch.float64),
+             _grad(5, 64, seed=37, kind="row_scaled", dtype=torch.bfloat16),
+             _grad(7, 143, seed=38, kind="iid", dtype=torch.float16)]
+    grads = [g.to(dev) for g in grads] + [unaligned]
+    cands = [divisors(g.numel(), variant) for g in grads]
+    cands[0] = [1] if variant == "variance" else []  # one element: no p has 2 blocks
+    cands[4] = [1]
+    cands[6] = [p for p in cands[6] if p % 5 == 0]  # a subset without p = 1
+    cands[7] = []
+    return grads, [torch.tensor(c, dtype=torch.int64) for c in cands]
+
+
+def _assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == torch.float64 and a.shape == b.shape, i
+        assert torch.equal(a, b), (i, a, b)
+
+
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+def test_multi_reference_equals_per_tensor_reference(variant: str) -> None:
+    grads, cands = _mix(variant, "cpu")
+    got = ps_mod.multi_period_scores_reference(grads, cands, variant)
+    _assert_same(got, [period_scores_reference(g, c, variant) for g, c in zip(grads, cands)])
+    for g, c, s in zip(grads, cands, got):
+        np.testing.assert_allclose(s.numpy(), naive_scores(g, c.tolist(), variant), rtol=1e-9,
+                                   atol=1e-12)
+    # The public op on CPU is the reference.
+    _assert_same(ps_mod.multi_period_scores(grads, cands, variant), got)
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+@pytest.mark.parametrize("round_chunks", [1, 6])
+def test_multi_triton_equals_per_tensor_triton(monkeypatch: pytest.MonkeyPatch, variant: str,
+                                               round_chunks: int) -> None:
+    # Chunks of 2500 elements: carries cross chunks (and rounds); a round holds one chunk's
+    # tiles or several tensors' chunks; the offsets kernel scans 3 tiles in blocks of 2.
+    monkeypatch.setattr(ps_mod, "_CHUNK_TRITON", 2500)
+    monkeypatch.setattr(ps_mod, "_ROUND_SHARE", 1)
+    monkeypatch.setattr(ps_mod, "_ROUND_CHUNKS", round_chunks)
+    monkeypatch.setattr(importlib.import_module("gefen_kernels.ops._period_kernels"),
+                        "SCAN_LANES", 2)
+    grads, cands = _mix(variant, _device())
+    got = ps_mod.multi_period_scores_triton(grads, cands, variant)
+    # Bit for bit the one-tensor Triton path (fp64 and the unaligned view included).
+    _assert_same(got, [period_scores_triton(g, c, variant) for g, c in zip(grads, cands)])
+    for g, c, s in zip(grads, cands, got):
+        assert s.device == g.device
+        np.testing.assert_allclose(s.cpu().numpy(), period_scores_reference(g, c, variant)
+                                   .cpu().numpy(), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+def test_multi_full_size_on_gpu_equals_per_tensor(variant: str) -> None:
+    """Compiled for the GPU, with the production chunk and round sizes: Llama-like shapes
+    (an 11M-element matrix spans two 8M chunks, hence two rounds), vectors and bf16/fp32
+    mixed. Bit for bit the one-tensor Triton path, and within fp64 rounding of the
+    reference."""
+    shapes = [(2048, 5504), (512, 2048), (1, 2048), (1336, 8), (4096, 1024), (1, 1)]
+    grads = [_grad(r, c, seed=50 + i, kind="row_scaled",
+                   dtype=torch.bfloat16 if i % 2 == 0 else torch.float32).cuda()
+             for i, (r, c) in enumerate(shapes)]
+    cands = [torch.tensor(divisors(g.numel(), variant), dtype=torch.int64) for g in grads]
+    got = ps_mod.multi_period_scores(grads, cands, variant)  # the custom op: Triton on CUDA
+    _assert_same(got, [period_scores_triton(g, c, variant) for g, c in zip(grads, cands)])
+    for g, c, s in zip(grads, cands, got):
+        np.testing.assert_allclose(s.cpu().numpy(), period_scores_reference(g, c, variant)
+                                   .cpu().numpy(), rtol=1e-9, atol=1e-12)
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+def test_multi_triton_scores_do_not_depend_on_the_other_tensors(
+        monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    # A NaN in one tensor stays there; a tensor's scores are the same alone, with others in
+    # its rounds, and in another position.
+    monkeypatch.setattr(ps_mod, "_CHUNK_TRITON", 1500)
+    monkeypatch.setattr(ps_mod, "_ROUND_SHARE", 1)
+    dev = _device()
+    a = _grad(6, 500, seed=51, kind="row_scaled").to(dev)
+    bad = _grad(4, 700, seed=52, kind="iid").to(dev)
+    bad[1234] = float("nan")
+    b = _grad(10, 100, seed=53, kind="row_scaled", dtype=torch.bfloat16).to(dev)
+    ca, cbad, cb = (torch.tensor(divisors(t.numel(), variant)) for t in (a, bad, b))
+    alone = [ps_mod.multi_period_scores_triton([t], [c], variant)[0]
+             for t, c in ((a, ca), (b, cb))]
+    got = ps_mod.multi_period_scores_triton([b, bad, a], [cb, cbad, ca], variant)
+    assert torch.equal(got[0], alone[1]) and torch.equal(got[2], alone[0])
+    assert not torch.isfinite(got[1][1:]).any()  # variance's E(1) = 0 * NaN as well
+    assert not torch.isfinite(got[1][0])
+
+
+def _count_launches(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Count each period kernel's launches (the launchers index ``kernel[grid]`` through the
+    module, so a wrapper there sees every launch)."""
+    pk = importlib.import_module("gefen_kernels.ops._period_kernels")
+    counts: Counter = Counter()
+
+    class Counting:
+        def __init__(self, name: str, kernel: Any) -> None:
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid: Any) -> Any:
+            counts[self.name] += 1
+            return self.kernel[grid]
+
+    for name in ("_period_prefix_kernel", "_period_offsets_kernel", "_period_terms_kernel",
+                 "_period_carry_kernel", "_multi_prefix_kernel", "_multi_terms_kernel",
+                 "_multi_carry_kernel"):
+        monkeypatch.setattr(pk, name, Counting(name, getattr(pk, name)))
+    real = pk.host_to_device
+
+    def copying(values: Any, device: torch.device) -> torch.Tensor:
+        counts["host_to_device"] += 1
+        return real(values, device)
+
+    monkeypatch.setattr(pk, "host_to_device", copying)
+    return counts
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+def test_multi_triton_launches_do_not_grow_with_the_tensors(monkeypatch: pytest.MonkeyPatch,
+                                                            variant: str) -> None:
+    counts = _count_launches(monkeypatch)
+    dev = _device()
+
+    def launches(num: int, dtypes: tuple[torch.dtype, ...]) -> Counter:
+        counts.clear()
+        grads = [_grad(4, 96, seed=60 + i, kind="row_scaled", dtype=dtypes[i % len(dtypes)])
+                 .to(dev) for i in range(num)]
+        ps_mod.multi_period_scores_triton(
+            grads, [torch.tensor(divisors(384, variant)) for _ in grads], variant)
+        return Counter(counts)
+
+    # All tensors in one round (the default 8M-element chunk): one launch of each kernel and
+    # one host-to-device copy, for 2 tensors as for 24.
+    one_round = {"_multi_prefix_kernel": 1, "_period_offsets_kernel": 1,
+                 "_multi_terms_kernel": 1, "_multi_carry_kernel": 1, "host_to_device": 1}
+    assert launches(2, (torch.float32,)) == one_round
+    assert launches(24, (torch.float32,)) == one_round
+    # One prefix launch per gradient dtype present, whatever the number of tensors.
+    three = {**one_round, "_multi_prefix_kernel": 3}
+    assert launches(3, (torch.float32, torch.bfloat16, torch.float16)) == three
+    assert launches(24, (torch.float32, torch.bfloat16, torch.float16)) == three
+    # The per-tensor path for comparison: four launches per tensor and chunk.
+    counts.clear()
+    for i in range(3):
+        period_scores_triton(_grad(4, 96, seed=i, kind="iid").to(dev),
+                             torch.tensor(divisors(384, variant)), variant)
+    assert counts["_period_prefix_kernel"] == 3 and counts["host_to_device"] == 3
+
+
+@needs_triton
+def test_multi_triton_rounds_follow_the_total_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rounds of at most 4 chunks of 2048 elements (2 tiles; a chunk takes an even number of
+    # tiles): 12 tensors of 2048 elements need 3 rounds, 4 launches each; a tensor of 5 chunks
+    # needs 5 rounds, the others fill them (most chunks left first, ties: lower index).
+    pk = importlib.import_module("gefen_kernels.ops._period_kernels")
+    assert pk.plan_rounds([2048] * 12, 2048, 8192) == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                        [8, 9, 10, 11]]
+    assert pk.plan_rounds([2048, 5 * 2048, 4096], 2048, 4096) == [[1, 2], [1, 0], [1, 2], [1],
+                                                                  [1]]
+    assert pk.plan_rounds([1, 1024, 1], 1024, 1) == [[0], [1], [2]]  # the first always fits
+    monkeypatch.setattr(ps_mod, "_CHUNK_TRITON", 2048)
+    monkeypatch.setattr(ps_mod, "_ROUND_SHARE", 1)
+    monkeypatch.setattr(ps_mod, "_ROUND_CHUNKS", 4)
+    counts = _count_launches(monkeypatch)
+    dev = _device()
+    grads = [_grad(8, 256, seed=70 + i, kind="iid").to(dev) for i in range(12)]
+    got = ps_mod.multi_period_scores_triton(grads, [torch.tensor([1, 2, 512])] * 12, "variance")
+    assert counts == {"_multi_prefix_kernel": 3, "_period_offsets_kernel": 3,
+                      "_multi_terms_kernel": 3, "_multi_carry_kernel": 3, "host_to_device": 1}
+    for g, s in zip(grads, got):
+        np.testing.assert_allclose(s.cpu().numpy(), naive_scores(g, [1, 2, 512], "variance"),
+                                   rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("fn", ["multi_period_scores", "multi_period_scores_reference"]
+                         + (["multi_period_scores_triton"] if triton_available() else []))
+def test_multi_errors_name_the_tensor(fn: str) -> None:
+    call = getattr(ps_mod, fn)
+    good, c = torch.randn(12), torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match=r"^grads\[1\] must be contiguous"):
+        call([good, torch.randn(4, 3).t()], [c, c], "variance")
+    with pytest.raises(TypeError, match=r"^grads\[2\] must be a floating-point tensor"):
+        call([good, good, torch.ones(12, dtype=torch.int64)], [c, c, c], "variance")
+    with pytest.raises(ValueError, match=r"^candidates\[1\] must be a 1-D int64 tensor"):
+        call([good, good], [c, c.float()], "variance")
+    with pytest.raises(ValueError, match=r"divisor of grads\[1\]\.numel\(\) = 10, got 3"):
+        call([good, torch.randn(10)], [c, c], "variance")
+    with pytest.raises(ValueError, match=r"^candidates\[0\] must be strictly ascending"):
+        call([good], [torch.tensor([3, 2])], "variance")
+    with pytest.raises(ValueError, match=r"2 blocks.*grads\[1\]\.numel\(\) = 12"):
+        call([good, good], [c, torch.tensor([12 // 2, 12])], "log_contrast")
+    with pytest.raises(ValueError, match=r"^grads\[1\] is on meta, grads\[0\] on cpu"):
+        call([good, torch.empty(12, device="meta")], [c, c], "variance")
+    with pytest.raises(ValueError, match="candidates has 1 tensors but grads has 2"):
+        call([good, good], [c], "variance")
+    with pytest.raises(ValueError, match="variant"):
+        call([good], [c], "other")
+
+
+def test_multi_empty_inputs_and_custom_op() -> None:
+    for fn in (ps_mod.multi_period_scores, ps_mod.multi_period_scores_reference):
+        assert fn([], [], "variance") == []
+        got = fn([torch.randn(6), torch.randn(4)], [torch.tensor([], dtype=torch.int64)] * 2,
+                 "log_contrast")
+        assert [s.shape for s in got] == [(0,), (0,)]
+    if triton_available():
+        assert ps_mod.multi_period_scores_triton([], [], "variance") == []
+        got = ps_mod.multi_period_scores_triton(
+            [torch.randn(6).to(_device())], [torch.tensor([], dtype=torch.int64)], "variance")
+        assert [s.shape for s in got] == [(0,)]
+    g = [_grad(8, 64, seed=81, kind="row_scaled"), _grad(3, 5, seed=82, kind="iid")]
+    c = [torch.tensor(divisors(512, "variance")), torch.tensor([1, 3, 5])]
+    torch.library.opcheck(torch.ops.gefen.multi_period_scores.default, (g, c, "variance"))

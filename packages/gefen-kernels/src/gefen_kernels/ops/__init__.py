@@ -16,6 +16,11 @@ from .multi_block_step import (
     multi_block_step_triton,
 )
 from .muon_momentum import muon_momentum, muon_momentum_reference, muon_momentum_triton
+from .period_scores import (
+    multi_period_scores,
+    multi_period_scores_reference,
+    multi_period_scores_triton,
+)
 from .quantize import (
     quantize_nearest,
     quantize_nearest_reference,
@@ -40,6 +45,9 @@ __all__ = [
     "multi_block_step",
     "multi_block_step_reference",
     "multi_block_step_triton",
+    "multi_period_scores",
+    "multi_period_scores_reference",
+    "multi_period_scores_triton",
     "muon_momentum",
     "muon_momentum_reference",
     "muon_momentum_triton",

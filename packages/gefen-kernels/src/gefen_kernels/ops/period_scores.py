@@ -29,12 +29,20 @@ overflows fp32) makes every score that covers it non-finite, ``S(1)`` and ``E(1)
 
 The Triton path (:mod:`._period_kernels`) forms chunk-local prefix sums the same way (fp64 tile
 scans plus fp64 tile offsets, over longer chunks) and computes every candidate's block sums and
-terms with the same expressions in three kernels per chunk, without the reference's per-chunk
-torch glue. Scores agree with the reference to fp64 rounding (chunk length, tile totals and the
-order of adding the terms differ).
+terms with the same expressions in four kernels per chunk, without the reference's per-chunk
+torch glue. Scores agree with the reference to fp64 rounding (chunk length, the tile offsets'
+scan and the order of adding the terms differ).
+
+:func:`multi_period_scores` scores many tensors of one device in one call: the reference loops
+over :func:`period_scores_reference`; the Triton path packs the chunks of all tensors into
+rounds of four launches each (:func:`._period_kernels.scores_triton_many`), so the number of
+launches follows the total size, not the number of tensors, and each tensor's scores equal
+:func:`period_scores_triton`'s.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -43,11 +51,14 @@ from .. import _validation as V
 from .._triton import require_triton
 from ._dispatch import check_device_for_triton, use_triton
 from ._period_kernels import TILE as _KERNEL_TILE
-from ._period_kernels import host_to_device, scores_triton
+from ._period_kernels import host_to_device, scores_triton, scores_triton_many
 
 __all__ = [
     "LOG_EPS",
     "VARIANTS",
+    "multi_period_scores",
+    "multi_period_scores_reference",
+    "multi_period_scores_triton",
     "period_scores",
     "period_scores_reference",
     "period_scores_triton",
@@ -63,6 +74,18 @@ LOG_EPS = 1e-12
 _CHUNK_REFERENCE = 1 << 19
 _CHUNK_TRITON = 1 << 23  # _period_kernels: no per-block-end temporaries, 64 MiB of fp64 scans
 _TILE = _KERNEL_TILE  # elements per tile scan, as the Triton path's: the same prefix sums
+# Rounds of the batched Triton path: each round's tile scans hold at most
+# clamp(total / _ROUND_SHARE, _CHUNK_TRITON, _ROUND_CHUNKS * _CHUNK_TRITON) elements per row.
+# A small model's search keeps the one-chunk scratch (64 MiB, 128 for Variant V); a large one's
+# takes fewer, larger rounds, with scratch at most half the bytes of its bf16 gradients (the
+# search runs before the optimizer state, which takes more) and at most 256 MiB (512).
+_ROUND_SHARE = 16
+_ROUND_CHUNKS = 4
+_BATCHED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _round_elements(total: int) -> int:
+    return min(max(total // _ROUND_SHARE, _CHUNK_TRITON), _ROUND_CHUNKS * _CHUNK_TRITON)
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,36 +107,51 @@ def reject_dtensor(name: str, t: object) -> None:
                         "caller reduces the statistics across ranks itself)")
 
 
-def _check_meta(grad: Tensor, candidates: Tensor, variant: str) -> None:
-    reject_dtensor("grad", grad)
-    reject_dtensor("candidates", candidates)
-    V.check_tensor("grad", grad)
-    V.check_float("grad", grad)
+def _check_meta(grad: Tensor, candidates: Tensor, variant: str, grad_name: str = "grad",
+                cand_name: str = "candidates") -> None:
+    reject_dtensor(grad_name, grad)
+    reject_dtensor(cand_name, candidates)
+    V.check_tensor(grad_name, grad)
+    V.check_float(grad_name, grad)
     if grad.is_complex():
-        raise TypeError("grad must be real")
-    V.check_contiguous("grad", grad)
-    V.check_tensor("candidates", candidates)
+        raise TypeError(f"{grad_name} must be real")
+    V.check_contiguous(grad_name, grad)
+    V.check_tensor(cand_name, candidates)
     if candidates.dtype != torch.int64 or candidates.dim() != 1:
-        raise ValueError(f"candidates must be a 1-D int64 tensor, got {candidates.dtype} "
+        raise ValueError(f"{cand_name} must be a 1-D int64 tensor, got {candidates.dtype} "
                          f"of shape {list(candidates.shape)}")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def _host_candidates(grad: Tensor, candidates: Tensor, variant: str) -> list[int]:
+def _host_candidates(grad: Tensor, candidates: Tensor, variant: str,
+                     grad_name: str = "grad", cand_name: str = "candidates") -> list[int]:
     """The candidate values as Python ints, checked against ``N`` (reads them to the host)."""
     cands = [int(p) for p in candidates.tolist()]
     numel = grad.numel()
     for p in cands:
         if p < 1 or numel % p != 0:
-            raise ValueError(f"every candidate must be a positive divisor of grad.numel() = "
-                             f"{numel}, got {p}")
+            raise ValueError(f"every candidate must be a positive divisor of {grad_name}.numel()"
+                             f" = {numel}, got {p}")
         if variant == "log_contrast" and numel // p < 2:
             raise ValueError(f"log_contrast needs at least 2 blocks per candidate; p = {p} "
-                             f"gives {numel // p} for grad.numel() = {numel}")
+                             f"gives {numel // p} for {grad_name}.numel() = {numel}")
     if any(b <= a for a, b in zip(cands, cands[1:])):
-        raise ValueError("candidates must be strictly ascending")
+        raise ValueError(f"{cand_name} must be strictly ascending")
     return cands
+
+
+def _check_lists(grads: list[Tensor], candidates: list[Tensor], variant: str) -> None:
+    """:func:`_check_meta` of every ``(grads[i], candidates[i])``, naming ``i``; one device."""
+    if len(candidates) != len(grads):
+        raise ValueError(f"candidates has {len(candidates)} tensors but grads has {len(grads)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    for i, (grad, cands) in enumerate(zip(grads, candidates)):
+        _check_meta(grad, cands, variant, f"grads[{i}]", f"candidates[{i}]")
+        if grad.device != grads[0].device:
+            raise ValueError(f"grads[{i}] is on {grad.device}, grads[0] on {grads[0].device}; "
+                             "call multi_period_scores once per device")
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,6 +326,101 @@ def period_scores_triton(grad: Tensor, candidates: Tensor, variant: str) -> Tens
     return scores_triton(grad, cands, variant, _CHUNK_TRITON)
 
 
+def _into_one(pieces: list[Tensor], device: torch.device) -> Tensor:
+    """The pieces concatenated (written into one buffer: no aliasing, one allocation)."""
+    out = torch.empty(sum(p.numel() for p in pieces), dtype=torch.float64, device=device)
+    pos = 0
+    for piece in pieces:
+        out[pos:pos + piece.numel()] = piece
+        pos += piece.numel()
+    return out
+
+
+def _multi_reference_flat(grads: list[Tensor], candidates: list[Tensor], variant: str) -> Tensor:
+    _check_lists(grads, candidates, variant)
+    cands = [_host_candidates(g, c, variant, f"grads[{i}]", f"candidates[{i}]")
+             for i, (g, c) in enumerate(zip(grads, candidates))]
+    device = grads[0].device if grads else torch.device("cpu")
+    return _into_one([_scores(g, c, variant, _CHUNK_REFERENCE) for g, c in zip(grads, cands)],
+                     device)
+
+
+def _multi_triton_flat(grads: list[Tensor], candidates: list[Tensor], variant: str) -> Tensor:
+    _check_lists(grads, candidates, variant)
+    require_triton("multi_period_scores (Triton path)")
+    if not grads:
+        return torch.empty(0, dtype=torch.float64)
+    check_device_for_triton(grads[0])
+    cands = [_host_candidates(g, c, variant, f"grads[{i}]", f"candidates[{i}]")
+             for i, (g, c) in enumerate(zip(grads, candidates))]
+    # fp64 tensors keep the per-tensor path (converted to fp32 chunk by chunk there), empty ones
+    # the reference's empty-tensor scores; a pointer that is not a multiple of the element size
+    # cannot be an offset from another tensor's.
+    batched = [not c or (g.dtype in _BATCHED_DTYPES and g.numel() > 0
+                         and g.data_ptr() % g.element_size() == 0)
+               for g, c in zip(grads, cands)]
+    members = [i for i, b in enumerate(batched) if b]
+    flat = (scores_triton_many([grads[i] for i in members], [cands[i] for i in members],
+                               variant, _CHUNK_TRITON,
+                               _round_elements(sum(grads[i].numel() for i in members)))
+            if members else torch.empty(0, dtype=torch.float64, device=grads[0].device))
+    if all(batched):
+        return flat
+    pieces = dict(zip(members, flat.split([len(cands[i]) for i in members])))
+    for i, g in enumerate(grads):
+        if not batched[i]:
+            pieces[i] = (scores_triton(g, cands[i], variant, _CHUNK_TRITON) if g.numel()
+                         else _scores(g, cands[i], variant, _CHUNK_REFERENCE))
+    return _into_one([pieces[i] for i in range(len(grads))], grads[0].device)
+
+
+def multi_period_scores_reference(grads: Sequence[Tensor], candidates: Sequence[Tensor],
+                                  variant: str) -> list[Tensor]:
+    """:func:`period_scores_reference` of every ``(grads[i], candidates[i])``.
+
+    Args:
+        grads: contiguous real float tensors (any float dtype), all on one device (CPU or
+            CUDA), each ``N_i`` elements in logical row-major order; ``N_i = 0`` is allowed.
+        candidates: one int64 ``[n_i]`` tensor per gradient, strictly ascending positive
+            divisors of ``N_i`` (any device; read on the host). For ``"log_contrast"`` each must
+            leave at least 2 blocks.
+        variant: ``"log_contrast"`` (``S(p)``, §1.7.2) or ``"variance"`` (``E(p)``, §1.7.3),
+            for every tensor.
+
+    Returns:
+        One float64 ``[n_i]`` tensor per gradient, on the gradients' device (views of one
+        buffer); non-finite where the gradient is (module docstring).
+
+    Raises:
+        TypeError, ValueError: as :func:`period_scores_reference`, for the first offending
+        tensor, named by its index (``grads[i]``, ``candidates[i]``); gradients on different
+        devices; lists of different lengths.
+    """
+    grads, candidates = list(grads), list(candidates)
+    flat = _multi_reference_flat(grads, candidates, variant)
+    return list(flat.split([c.shape[0] for c in candidates]))
+
+
+def multi_period_scores_triton(grads: Sequence[Tensor], candidates: Sequence[Tensor],
+                               variant: str) -> list[Tensor]:
+    """Triton twin of :func:`multi_period_scores_reference` (same signature and meaning).
+
+    fp32, bf16 and fp16 gradients are scored together in rounds of four launches
+    (:func:`._period_kernels.scores_triton_many`): each tensor's scores equal
+    :func:`period_scores_triton`'s bit for bit in Triton's interpreter, and on CUDA where the
+    kernels compile to the same layouts (``tests/compile_check.py --compare-layouts``). fp64
+    gradients take :func:`period_scores_triton` one by one.
+
+    Raises:
+        ImportError: Triton is not installed (the message says how to get it).
+        ValueError: the gradients are not on a CUDA device (outside ``TRITON_INTERPRET=1``),
+            or any error of the reference.
+    """
+    grads, candidates = list(grads), list(candidates)
+    flat = _multi_triton_flat(grads, candidates, variant)
+    return list(flat.split([c.shape[0] for c in candidates]))
+
+
 # --------------------------------------------------------------------------------------------
 # torch.library custom op: CUDA -> Triton (when available), everything else -> reference
 # --------------------------------------------------------------------------------------------
@@ -315,3 +448,67 @@ def period_scores(grad: Tensor, candidates: Tensor, variant: str) -> Tensor:
     """
     _check_meta(grad, candidates, variant)
     return torch.ops.gefen.period_scores(grad, candidates, variant)
+
+
+# A list's scores come back as one flat tensor (a custom op's outputs may not alias each other);
+# the public function splits it.
+@torch.library.custom_op("gefen::multi_period_scores", mutates_args=())
+def _multi_period_scores_op(grads: list[Tensor], candidates: list[Tensor],
+                            variant: str) -> Tensor:
+    return _multi_reference_flat(grads, candidates, variant)
+
+
+@_multi_period_scores_op.register_kernel("cuda")
+def _multi_period_scores_cuda(grads: list[Tensor], candidates: list[Tensor],
+                              variant: str) -> Tensor:
+    if grads and use_triton(grads[0]):
+        return _multi_triton_flat(grads, candidates, variant)
+    return _multi_reference_flat(grads, candidates, variant)
+
+
+@_multi_period_scores_op.register_fake
+def _multi_period_scores_fake(grads: list[Tensor], candidates: list[Tensor],
+                              variant: str) -> Tensor:
+    return torch.empty(sum(c.shape[0] for c in candidates), dtype=torch.float64,
+                       device=grads[0].device)
+
+
+def multi_period_scores(grads: Sequence[Tensor], candidates: Sequence[Tensor],
+                        variant: str) -> list[Tensor]:
+    """Period scores of many gradients through ``torch.ops.gefen.multi_period_scores``
+    (ALGORITHM.md §1.7.2, §1.7.3; the module docstring).
+
+    ``multi_period_scores(grads, candidates, variant)[i]`` equals ``period_scores(grads[i],
+    candidates[i], variant)``: on CUDA with Triton available, the scores of all fp32, bf16 and
+    fp16 gradients come from a fixed number of launches per round of chunks
+    (:func:`multi_period_scores_triton`), not per tensor; elsewhere from the reference, tensor
+    by tensor. Nothing is read back from the device (the caller reads all scores with one
+    copy).
+
+    Args:
+        grads: contiguous real float tensors (fp32, bf16, fp16 or fp64), all on one device,
+            each ``N_i >= 0`` elements in logical row-major order.
+        candidates: one int64 ``[n_i]`` tensor per gradient (any device; read on the host),
+            strictly ascending positive divisors of ``N_i``; for ``"log_contrast"`` each must
+            leave at least 2 blocks (``N_i / p >= 2``). May be empty.
+        variant: ``"log_contrast"`` (Variant L, ``S(p)``) or ``"variance"`` (Variant V,
+            ``E(p)``), for every tensor.
+
+    Returns:
+        A list of float64 ``[n_i]`` tensors on the gradients' device, one per gradient (views
+        of one buffer); ``[]`` for an empty ``grads``. A NaN or Inf gradient makes its
+        tensor's scores non-finite (module docstring).
+
+    Raises:
+        TypeError: a gradient is not a real float tensor, or a DTensor (pass ``.to_local()``).
+        ValueError: a non-contiguous gradient, a malformed candidate tensor or value, an
+            unknown ``variant``, gradients on different devices, or ``grads`` and
+            ``candidates`` of different lengths. Errors name the first offending tensor by its
+            index (``grads[i]``, ``candidates[i]``).
+    """
+    grads, candidates = list(grads), list(candidates)
+    _check_lists(grads, candidates, variant)
+    if not grads:
+        return []
+    flat = torch.ops.gefen.multi_period_scores(grads, candidates, variant)
+    return list(flat.split([c.shape[0] for c in candidates]))

@@ -492,3 +492,37 @@ def test_multi_empty_inputs_and_custom_op() -> None:
     g = [_grad(8, 64, seed=81, kind="row_scaled"), _grad(3, 5, seed=82, kind="iid")]
     c = [torch.tensor(divisors(512, "variance")), torch.tensor([1, 3, 5])]
     torch.library.opcheck(torch.ops.gefen.multi_period_scores.default, (g, c, "variance"))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert torch.ops.gefen.multi_period_scores([], [], "variance").shape == (0,)
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+def test_block_counts_divide_exactly(variant: str) -> None:
+    """``N / p`` must be the exact block count on every path: PyTorch's ``int / tensor``
+    multiplies by the reciprocal, which gives 98 / 49 = 1.9999999999999998, and the batched
+    path (which divides two tensors) then differs from the one-tensor path in the last bit."""
+    g = _grad(1, 98, seed=91, kind="row_scaled").to(_device())
+    c = torch.tensor(divisors(98, variant), dtype=torch.int64)
+    assert 49 in c.tolist()
+    one = period_scores_triton(g, c, variant)
+    _assert_same(ps_mod.multi_period_scores_triton([g], [c], variant), [one])
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices")
+@pytest.mark.parametrize("variant", ["log_contrast", "variance"])
+def test_gradients_on_a_device_other_than_the_current_one(variant: str) -> None:
+    """Custom ops get no device guard: the ops must launch on their tensors' device."""
+    assert torch.cuda.current_device() == 0
+    g0 = _grad(64, 96, seed=92, kind="row_scaled").cuda(0)
+    g1 = g0.cuda(1)
+    c = torch.tensor(divisors(g0.numel(), variant), dtype=torch.int64)
+    want = period_scores(g0, c, variant).cpu()
+    assert torch.equal(period_scores(g1, c, variant).cpu(), want)
+    got = ps_mod.multi_period_scores([g1, g1], [c, c], variant)
+    assert all(s.device == g1.device and torch.equal(s.cpu(), want) for s in got)

@@ -405,7 +405,9 @@ def scores_triton(grad: Tensor, cands: list[int], variant: str, chunk: int) -> T
                                        TILE=TILE, RB=CARRY_LANES, num_warps=4,
                                        **LAUNCH_OPTIONS)
     if k:
-        blocks = numel / cand_dev.to(torch.float64)  # exact: p divides N
+        # Two fp64 tensors: `int / tensor` would multiply by the reciprocal (not exact).
+        p64 = cand_dev.to(torch.float64)
+        blocks = torch.full_like(p64, float(numel)) / p64  # exact: p divides N
         scores = acc / (blocks - 1.0) if log_contrast else torch.sqrt(acc / blocks)
     if has_one:
         # A device divisor: CUDA turns `tensor / python_float` into a multiplication by the

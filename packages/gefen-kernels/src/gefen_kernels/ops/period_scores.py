@@ -272,7 +272,9 @@ def _scores(grad: Tensor, cands: list[int], variant: str, chunk: int) -> Tensor:
             last_sum = torch.where(has_end, sums[0, last], last_sum)
             closed = closed | has_end
 
-    blocks = numel / p_flt  # exact: p divides N
+    # Tensor by tensor: `int / tensor` is a multiplication by the reciprocal in PyTorch (not
+    # exact, e.g. 98 / 49 -> 1.9999999999999998); a division of two fp64 integers is.
+    blocks = torch.full_like(p_flt, float(numel)) / p_flt  # exact: p divides N
     if log_contrast:
         scores = acc / (blocks - 1.0)
         one = one_acc / float(numel - 1)
@@ -392,9 +394,10 @@ def multi_period_scores_reference(grads: Sequence[Tensor], candidates: Sequence[
         buffer); non-finite where the gradient is (module docstring).
 
     Raises:
-        TypeError, ValueError: as :func:`period_scores_reference`, for the first offending
-        tensor, named by its index (``grads[i]``, ``candidates[i]``); gradients on different
-        devices; lists of different lengths.
+        TypeError, ValueError: as :func:`period_scores_reference`, naming the tensor by its
+        index (``grads[i]``, ``candidates[i]``): every tensor's type, layout and device are
+        checked first, then every candidate's values; gradients on different devices; lists of
+        different lengths.
     """
     grads, candidates = list(grads), list(candidates)
     flat = _multi_reference_flat(grads, candidates, variant)
@@ -431,9 +434,11 @@ def _period_scores_op(grad: Tensor, candidates: Tensor, variant: str) -> Tensor:
 
 @_period_scores_op.register_kernel("cuda")
 def _period_scores_cuda(grad: Tensor, candidates: Tensor, variant: str) -> Tensor:
-    if use_triton(grad):
-        return period_scores_triton(grad, candidates, variant)
-    return period_scores_reference(grad, candidates, variant)
+    # Custom ops get no device guard, and Triton launches on the current device.
+    with torch.cuda.device(grad.device):
+        if use_triton(grad):
+            return period_scores_triton(grad, candidates, variant)
+        return period_scores_reference(grad, candidates, variant)
 
 
 @_period_scores_op.register_fake
@@ -461,16 +466,19 @@ def _multi_period_scores_op(grads: list[Tensor], candidates: list[Tensor],
 @_multi_period_scores_op.register_kernel("cuda")
 def _multi_period_scores_cuda(grads: list[Tensor], candidates: list[Tensor],
                               variant: str) -> Tensor:
-    if grads and use_triton(grads[0]):
-        return _multi_triton_flat(grads, candidates, variant)
-    return _multi_reference_flat(grads, candidates, variant)
+    if not grads:
+        return _multi_reference_flat(grads, candidates, variant)
+    with torch.cuda.device(grads[0].device):  # as _period_scores_cuda
+        if use_triton(grads[0]):
+            return _multi_triton_flat(grads, candidates, variant)
+        return _multi_reference_flat(grads, candidates, variant)
 
 
 @_multi_period_scores_op.register_fake
 def _multi_period_scores_fake(grads: list[Tensor], candidates: list[Tensor],
                               variant: str) -> Tensor:
     return torch.empty(sum(c.shape[0] for c in candidates), dtype=torch.float64,
-                       device=grads[0].device)
+                       device=grads[0].device if grads else "cpu")
 
 
 def multi_period_scores(grads: Sequence[Tensor], candidates: Sequence[Tensor],
@@ -503,8 +511,9 @@ def multi_period_scores(grads: Sequence[Tensor], candidates: Sequence[Tensor],
         TypeError: a gradient is not a real float tensor, or a DTensor (pass ``.to_local()``).
         ValueError: a non-contiguous gradient, a malformed candidate tensor or value, an
             unknown ``variant``, gradients on different devices, or ``grads`` and
-            ``candidates`` of different lengths. Errors name the first offending tensor by its
-            index (``grads[i]``, ``candidates[i]``).
+            ``candidates`` of different lengths. Errors name the offending tensor by its index
+            (``grads[i]``, ``candidates[i]``); every tensor's type, layout and device are
+            checked before any candidate's values.
     """
     grads, candidates = list(grads), list(candidates)
     _check_lists(grads, candidates, variant)

@@ -352,9 +352,9 @@ def _multi_triton_flat(grads: list[Tensor], candidates: list[Tensor], variant: s
     require_triton("multi_period_scores (Triton path)")
     if not grads:
         return torch.empty(0, dtype=torch.float64)
-    check_device_for_triton(grads[0])
     cands = [_host_candidates(g, c, variant, f"grads[{i}]", f"candidates[{i}]")
              for i, (g, c) in enumerate(zip(grads, candidates))]
+    check_device_for_triton(grads[0])  # after every argument check, as the reference's errors
     # fp64 tensors keep the per-tensor path (converted to fp32 chunk by chunk there), empty ones
     # the reference's empty-tensor scores; a pointer that is not a multiple of the element size
     # cannot be an offset from another tensor's.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -97,3 +100,22 @@ def assert_within_one_ulp(a: torch.Tensor, b: torch.Tensor, what: str,
     tol = ulp(mag, a.dtype) * (4.0 if a.dtype == torch.float32 else 1.0)
     bad = np.abs(a64 - b64) > tol
     assert not bad.any(), f"{what}: {int(bad.sum())} elements beyond tolerance"
+
+
+def count_launches(monkeypatch: Any, module: Any, names: tuple[str, ...]) -> Counter:
+    """Replace each kernel ``module.<name>`` by a wrapper that counts its launches (the
+    launchers index ``kernel[grid]`` through the module, so the wrapper sees every launch)
+    and return the live counter, keyed by name."""
+    counts: Counter = Counter()
+
+    class Counting:
+        def __init__(self, name: str, kernel: Any) -> None:
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid: Any) -> Any:
+            counts[self.name] += 1
+            return self.kernel[grid]
+
+    for name in names:
+        monkeypatch.setattr(module, name, Counting(name, getattr(module, name)))
+    return counts

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from kernels_inputs import count_launches
 
 from gefen_kernels._triton import triton_available
 from gefen_kernels.ops import period_scores as ps_mod
@@ -371,20 +372,10 @@ def _count_launches(monkeypatch: pytest.MonkeyPatch) -> Counter:
     """Count each period kernel's launches (the launchers index ``kernel[grid]`` through the
     module, so a wrapper there sees every launch)."""
     pk = importlib.import_module("gefen_kernels.ops._period_kernels")
-    counts: Counter = Counter()
-
-    class Counting:
-        def __init__(self, name: str, kernel: Any) -> None:
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid: Any) -> Any:
-            counts[self.name] += 1
-            return self.kernel[grid]
-
-    for name in ("_period_prefix_kernel", "_period_offsets_kernel", "_period_terms_kernel",
-                 "_period_carry_kernel", "_multi_prefix_kernel", "_multi_terms_kernel",
-                 "_multi_carry_kernel"):
-        monkeypatch.setattr(pk, name, Counting(name, getattr(pk, name)))
+    counts = count_launches(monkeypatch, pk, (
+        "_period_prefix_kernel", "_period_offsets_kernel", "_period_terms_kernel",
+        "_period_carry_kernel", "_multi_prefix_kernel", "_multi_terms_kernel",
+        "_multi_carry_kernel"))
     real = pk.host_to_device
 
     def copying(values: Any, device: torch.device) -> torch.Tensor:

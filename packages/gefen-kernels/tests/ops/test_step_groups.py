@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from kernels_inputs import assert_bitwise, make_codebook, random_state
+from kernels_inputs import assert_bitwise, count_launches, make_codebook, random_state
 
 from gefen_kernels._numerics import f32
 from gefen_kernels.ops import step_groups
@@ -168,18 +168,8 @@ def test_loop_route_factored_plans_share_the_statistics_launches(monkeypatch) ->
 
 
 def test_groups_launch_once_per_class_and_chunk(monkeypatch) -> None:
-    counts: Counter[str] = Counter()
-
-    class Counting:
-        def __init__(self, name: str, kernel: Any) -> None:
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid: Any) -> Any:
-            counts[self.name] += 1
-            return self.kernel[grid]
-
-    for name in ("_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel"):
-        monkeypatch.setattr(step_groups, name, Counting(name, getattr(step_groups, name)))
+    counts = count_launches(monkeypatch, step_groups, (
+        "_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel"))
     dev = _device()
     cb = make_codebook(2).to(dev)
     items = _tensors(dev, seed=3)

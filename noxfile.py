@@ -54,6 +54,7 @@ TEST_REQUIREMENTS = [
     "triton",
     "pytest",
     "pytest-timeout",
+    "pytest-xdist",
     "transformers",
     "accelerate",
     "scikit-learn",
@@ -65,6 +66,12 @@ TEST_REQUIREMENTS = [
 ]
 #: Seconds any single test may take before pytest-timeout kills it (nothing may hang CI).
 TEST_TIMEOUT_S = 600
+#: pytest-xdist workers of the CPU suites: the interpreter-bound kernel tests are CPU-bound and
+#: independent, so the CI machine's two cores halve their time. ``GEFEN_TEST_WORKERS=0`` runs
+#: them in one process (as the release gate does); more than 4 mostly adds memory (each worker
+#: imports torch and Triton's interpreter).
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+TEST_WORKERS = os.environ.get("GEFEN_TEST_WORKERS", str(min(_CORES or 1, 4)))
 #: The wheels a release_check case installs: requirement -> gefen distributions it must yield.
 RELEASE_CASES: dict[str, list[str]] = {
     "gefen-x": ["gefen-x", "gefen-core", "gefen-kernels"],
@@ -256,7 +263,7 @@ def _run_suite(session: nox.Session, env: Env, package: str, *extra: str) -> Non
     env.run(
         session,
         env.python,
-        *_pytest_args(*extra, *session.posargs),
+        *_pytest_args("-n", TEST_WORKERS, "--dist", "worksteal", *extra, *session.posargs),
         env={"TRITON_INTERPRET": "1", "PYTHONPATH": str(SCRIPTS), "CUDA_VISIBLE_DEVICES": ""},
     )
     session.chdir(ROOT)

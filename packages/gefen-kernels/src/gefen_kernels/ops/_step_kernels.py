@@ -247,22 +247,18 @@ def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma_block, p
 
 
 @jit
-def _piece(blocks, bmask, cols, period):  # type: ignore[no-untyped-def]
-    """``(offs, mask)`` of columns ``cols`` of ``blocks``: a ``[BPP, len(cols)]`` tile."""
+def _tile_piece(p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask, cols,  # type: ignore[no-untyped-def]
+                period, ncols, ncols_magic, ncols_shift, s_old, b1, omb1, bc2, bc1, eps,
+                FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr, OFFS64: tl.constexpr):
+    """Loads and momentum of columns ``cols`` of ``blocks``: ``(offs, mask, g, m, p, V,
+    sigma)`` of the ``[BPP, len(cols)]`` tile (see :func:`_update_inputs`)."""
     mask = bmask[:, None] & (cols < period)[None, :]
-    return blocks[:, None] * period + cols[None, :], mask
-
-
-@jit
-def _piece_values(p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, offs, mask,  # type: ignore[no-untyped-def]
-                  ncols, ncols_magic, ncols_shift, s_old, b1, omb1, bc2, bc1, eps,
-                  FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr, OFFS64: tl.constexpr):
-    """``(g, m, p, V, sigma)`` of a piece: :func:`_momentum`, then :func:`_update_inputs`."""
+    offs = blocks[:, None] * period + cols[None, :]
     g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
     p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
                                           ncols, ncols_magic, ncols_shift, bc2, bc1, eps,
                                           FACTORED, OFFS64)
-    return g, m, p, big_v, sigma_elem
+    return offs, mask, g, m, p, big_v, sigma_elem
 
 
 @jit
@@ -284,23 +280,24 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
     period = _index(period, OFFS64)
     num_blocks = _index(num_blocks, OFFS64)
     blocks = _index(pid, OFFS64) * BPP + _index(tl.arange(0, BPP), OFFS64)
-    cols = _index(tl.arange(0, P2 if TAIL == 0 else P2 // 2), OFFS64)
     bmask = blocks < num_blocks
-    offs, mask = _piece(blocks, bmask, cols, period)
-    if TAIL != 0:
-        offs_t, mask_t = _piece(blocks, bmask, _index(tl.arange(0, TAIL) + P2 // 2, OFFS64),
-                                period)
     s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
-    g, m, p, big_v, sigma_elem = _piece_values(
-        p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, offs, mask, ncols,
-        ncols_magic, ncols_shift, s_old, b1, omb1, bc2, bc1, eps, FACTORED, MAXIMIZE, OFFS64)
     if TAIL == 0:
+        offs, mask, g, m, p, big_v, sigma_elem = _tile_piece(
+            p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask,
+            _index(tl.arange(0, P2), OFFS64), period, ncols, ncols_magic, ncols_shift, s_old,
+            b1, omb1, bc2, bc1, eps, FACTORED, MAXIMIZE, OFFS64)
         s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
+        sumsq = tl.sum(g * g, axis=1)
     else:
-        g_t, m_t, p_t, big_v_t, sigma_t = _piece_values(
-            p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, offs_t, mask_t, ncols,
-            ncols_magic, ncols_shift, s_old, b1, omb1, bc2, bc1, eps, FACTORED, MAXIMIZE,
-            OFFS64)
+        offs, mask, g, m, p, big_v, sigma_elem = _tile_piece(
+            p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask,
+            _index(tl.arange(0, P2 // 2), OFFS64), period, ncols, ncols_magic, ncols_shift,
+            s_old, b1, omb1, bc2, bc1, eps, FACTORED, MAXIMIZE, OFFS64)
+        offs_t, mask_t, g_t, m_t, p_t, big_v_t, sigma_t = _tile_piece(
+            p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask,
+            _index(tl.arange(0, TAIL) + P2 // 2, OFFS64), period, ncols, ncols_magic,
+            ncols_shift, s_old, b1, omb1, bc2, bc1, eps, FACTORED, MAXIMIZE, OFFS64)
         # tl_nan_max over the union of both pieces: max is exact in any order, and a NaN in
         # either piece makes the block's scale NaN.
         s_max = tl.maximum(tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1),
@@ -308,17 +305,10 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
         any_nan = tl.maximum(tl.max((mask & (m != m)).to(tl.int32), axis=1),
                              tl.max((mask_t & (m_t != m_t)).to(tl.int32), axis=1))
         s_new = tl.where(any_nan > 0, float("nan"), s_max)
+        sumsq = tl.sum(g * g, axis=1) + tl.sum(g_t * g_t, axis=1)
     sigma = s_new  # unused in factored mode
     if not FACTORED:
-        # TAIL=0 is the one-tile kernel as it was, operation for operation (the same PTX): a
-        # first version that summed right after the maxima and loaded the scales after the
-        # offsets gave block-mode updates off by more than an ulp in a few lanes of a
-        # 64M-element step on the H200 with Triton 3.6 (docs/results/
-        # h200-2026-11-30-session13, call 1; not understood).
         v_old = tl.load(v_ptr + blocks, mask=bmask, other=0.0)
-        sumsq = tl.sum(g * g, axis=1)
-        if TAIL != 0:
-            sumsq = sumsq + tl.sum(g_t * g_t, axis=1)
         v_new, sigma = _block_sigma(sumsq, v_old, period, b2, omb2, eps, bc2, bc1)
         tl.store(v_ptr + blocks, v_new, mask=bmask)
     _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], sigma[:, None], p,

@@ -157,13 +157,6 @@ TABLE_LAYOUTS: dict[str, Any] = {
     "interleaved": lambda t: t.view(2, -1).t().contiguous().reshape(-1),
 }
 VARIANTS["base_again"] = ("candidate: production timed a second time (the spread)", [])
-VARIANTS["one_tile"] = (
-    "candidate: one [BPP, P2] tile per block, not a head and a tail (TAIL=0; the same kernel "
-    "where tile_shape gives no tail)",
-    [],
-)
-# Variants launched with other constexprs: variant -> overrides of the plan's.
-CONSTS: dict[str, dict[str, Any]] = {"one_tile": {"TAIL": 0}}
 VARIANTS["all_ablations"] = (
     "ablation: every ablation and candidate above at once",
     [
@@ -206,7 +199,6 @@ def _load_variant(name: str, patches: list[Patch]) -> Any:
     module = importlib.import_module(f"gefen_kernels.ops.{sk_mod}")
     if name in TABLE_LAYOUTS:
         module._ABL_TABLE_LAYOUT = TABLE_LAYOUTS[name]
-    module._ABL_CONSTS = CONSTS.get(name, {})
     return module
 
 
@@ -227,16 +219,12 @@ def _time(fn: Any, reps: int) -> float:
 
 
 class Case:
-    """One bf16 [8192, 8192] parameter with its state, in ``[numel / period, period]`` blocks
-    (a period that does not divide it: ``[k * period, 2048]``, about as many elements)."""
+    """One bf16 [8192, 8192] parameter with its state, in ``[numel / period, period]`` blocks."""
 
     def __init__(self, period: int, factored: bool) -> None:  # noqa: D107
         dev = DEVICE
         gen = torch.Generator(device=dev).manual_seed(0)
         shape = (ROWS, NCOLS)
-        if (ROWS * NCOLS) % period:
-            cols = 2048 if dev.type == "cuda" else 8  # the interpreter's smoke run: small
-            shape = (max(1, ROWS * NCOLS // 2048 // period) * period, cols)
         n = shape[0] * shape[1]
         blocks = n // period
         self.p = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -303,8 +291,7 @@ class Case:
             if layout not in self._tables:
                 self._tables[layout] = layout(self.plan._table)
             args = (*args[:9], self._tables[layout], *args[10:])
-        consts = {**self.plan._consts, **getattr(module, "_ABL_CONSTS", {})}
-        module._step_tile_kernel[self.plan._grid](*args, 0, **consts)
+        module._step_tile_kernel[self.plan._grid](*args, 0, **self.plan._consts)
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -367,8 +354,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--no-periods", action="store_true")
-    parser.add_argument("--block-periods", default="2048,256",
-                        help="comma-separated periods of the timed cases")
     parser.add_argument(
         "--ncu",
         action="store_true",
@@ -411,12 +396,11 @@ def main() -> None:
         print(f"\ncopy of 8 B/param for {n} elements: {copy_ms:.3f} ms")
         rows = []
         for factored in (True, False):
-            for period in map(int, args.block_periods.split(",")):
+            for period in (2048, 256):
                 case = Case(period, factored)
                 mode = "factored" if factored else "block"
                 tag = (
                     f"{mode} P={period} BPP={case.plan._consts['BPP']} "
-                    f"TAIL={case.plan._consts['TAIL']} "
                     f"warps={case.plan._consts['num_warps']} STEPS={case.plan._consts['STEPS']}"
                 )
                 for name in names:

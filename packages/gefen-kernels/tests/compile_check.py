@@ -229,10 +229,8 @@ def scenarios() -> Iterator[Callable[[], None]]:
         return base
 
     # Block mode, every route, every dtype pair, the flags that are constexprs.
-    # 96, 1152 and 1336 take a head and a tail piece (tile_shape's TAIL).
     shapes = [(1, 1, None), (16, 1, None), (3, 7, None), (64, 16, None), (2, 2048, None),
-              (1, 4096, None), (20, 96, None), (3, 1152, None), (2, 1336, None),
-              (5, 5003, "loop"), (160, 4096 + 16, "loop"), (2, 4099, "split"),
+              (1, 4096, None), (5, 5003, "loop"), (160, 4096 + 16, "loop"), (2, 4099, "split"),
               (1, 32768, "split")]
     # Every dtype pair on one shape per route; the other shapes (the int specialisations)
     # with bf16 parameters and gradients, as in the benchmarks.
@@ -255,7 +253,6 @@ def scenarios() -> Iterator[Callable[[], None]]:
     # Factored mode: the statistics kernel and the step kernels with FACTORED=True.
     for rows, cols, period, route in [(1, 1, 1, None), (1, 16, 16, None), (7, 13, 7, None),
                                       (64, 96, 32, None), (16, 1024, 2048, None),
-                                      (8, 167, 1336, None), (6, 96, 96, None),
                                       (2048, 64, 1, None), (3, 5003, 5003, "loop"),
                                       (2, 4099, 4099, "split"), (4097, 1, 1, None),
                                       (1, 4097, 4097, None)]:
@@ -343,8 +340,7 @@ def scenarios() -> Iterator[Callable[[], None]]:
     for pdt, gdt in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                      (torch.float16, torch.float32), (torch.bfloat16, torch.float16)):
         def run_m(pdt: torch.dtype = pdt, gdt: torch.dtype = gdt) -> None:
-            shapes = [(1, 1), (16, 1), (3, 7), (64, 16), (2, 2048), (1, 4096), (2, 5003),
-                      (3, 1152)]
+            shapes = [(1, 1), (16, 1), (3, 7), (64, 16), (2, 2048), (1, 4096), (2, 5003)]
             params = [torch.zeros(nb * p, dtype=pdt) for nb, p in shapes]
             grads = [torch.zeros(nb * p, dtype=gdt) for nb, p in shapes]
             states = [block_state(nb, p) for nb, p in shapes]
@@ -361,8 +357,7 @@ def scenarios() -> Iterator[Callable[[], None]]:
                      (torch.float16, torch.float32), (torch.bfloat16, torch.float16)):
         def run_g(pdt: torch.dtype = pdt, gdt: torch.dtype = gdt) -> None:
             _group_launch([((64, 96), 32), ((7, 13), 7), ((16, 1024), 2048), ((2048, 64), 1),
-                           ((1, 1), 1), ((48,), 16), ((21,), 7), ((4096,), 2048),
-                           ((8, 167), 1336), ((288,), 96)], pdt, gdt, cb)
+                           ((1, 1), 1), ((48,), 16), ((21,), 7), ((4096,), 2048)], pdt, gdt, cb)
         yield run_g
 
     def run_groups64() -> None:

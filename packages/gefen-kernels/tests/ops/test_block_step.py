@@ -18,8 +18,7 @@ from kernels_inputs import (
 from kernels_oracle import block_step64, boundary_distance, param_update64
 
 from gefen_kernels import _numerics
-from gefen_kernels.ops import _step_kernels as step_kernels
-from gefen_kernels.ops._step_kernels import launch_step, tile_shape
+from gefen_kernels.ops._step_kernels import launch_step
 from gefen_kernels.ops.block_step import block_step, block_step_reference, block_step_triton
 
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
@@ -365,9 +364,8 @@ def _run_pair(param, grad, state, cb, *, route=None, split_elements=16384, loop_
         assert_bitwise(tri_p, param, "param with lr=0")
 
 
-# 96, 1152 and 1336 take the tile route's head + tail pieces (tile_shape's TAIL).
 PARITY_SHAPES = [(1, 1), (4097, 1), (8191, 1), (3, 2), (601, 7), (16, 64), (4, 1024),
-                 (3, 2048), (2, 4096), (37, 96), (5, 1152), (3, 1336)]
+                 (3, 2048), (2, 4096)]
 
 
 @pytest.mark.parametrize("num_blocks,period", PARITY_SHAPES)
@@ -380,49 +378,6 @@ def test_triton_matches_reference(num_blocks: int, period: int, dtype: torch.dty
     grad = (torch.randn(n, generator=gen) * 0.05).to(dtype).to(dev)
     state = random_state(num_blocks, period, seed=period, device=dev)
     _run_pair(param, grad, state, make_codebook(period).to(dev))
-
-
-@pytest.mark.parametrize("period,tail", [(96, 32), (1152, 128), (1336, 512), (1536, 512),
-                                         (1537, 0), (1024, 0), (7, 0), (40, 0)])
-def test_tile_shape_splits_periods_just_above_a_power_of_two(period: int, tail: int) -> None:
-    p2, bpp, got = tile_shape(period)
-    assert p2 == 1 << (period - 1).bit_length() and bpp >= 1
-    assert got == tail
-    if tail:  # the head is inside every block and the two pieces cover it
-        assert p2 // 2 < period <= p2 // 2 + tail < p2
-
-
-@pytest.mark.parametrize("num_blocks,period", [(37, 96), (5, 1152), (3, 1336)])
-def test_tail_piece_matches_one_tile(monkeypatch: pytest.MonkeyPatch, num_blocks: int,
-                                     period: int) -> None:
-    """Head + tail against the same step on one [BPP, P2] tile: codes, scales and parameters
-    the same bits, the second moment's sum of squares in another order."""
-    dev = _device()
-    gen = torch.Generator().manual_seed(period)
-    n = num_blocks * period
-    param = torch.randn(n, generator=gen).to(torch.bfloat16).to(dev)
-    grad = (torch.randn(n, generator=gen) * 0.05).to(torch.bfloat16).to(dev)
-    grad[period + 3] = float("nan")  # a NaN in the second block's head
-    grad[3 * period - 1] = float("nan")  # and in the last column (tail) of the third
-    state = random_state(num_blocks, period, seed=period, device=dev)
-    cb = make_codebook(period).to(dev)
-    hp = _hyper(3, 1e-3, 0.01)
-    assert step_kernels.tile_shape(period)[2] > 0
-    outs = []
-    for one_tile in (False, True):
-        if one_tile:
-            monkeypatch.setattr(step_kernels, "tile_shape",
-                                lambda p, split=step_kernels.tile_shape: (*split(p)[:2], 0))
-        p, st = param.clone(), clone_state(state)
-        block_step_triton(p, grad, st["codes"], st["scale"], st["exp_avg_sq"], cb, **hp)
-        outs.append((p, st))
-    (p_tail, st_tail), (p_one, st_one) = outs
-    assert st_tail["scale"][1].isnan().all() and st_tail["scale"][2].isnan().all()
-    assert_bitwise(st_tail["codes"], st_one["codes"], "codes")
-    assert_bitwise(st_tail["scale"], st_one["scale"], "scale")
-    torch.testing.assert_close(st_tail["exp_avg_sq"], st_one["exp_avg_sq"], rtol=4e-7, atol=0,
-                               equal_nan=True)
-    assert_within_one_ulp(p_tail, p_one, "param", before=param)
 
 
 @pytest.mark.parametrize("route,period,num_blocks,split,tile", [
@@ -525,8 +480,7 @@ def test_public_op_matches_reference_on_cpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_blocks,period,route", [
     ((1 << 26), 1, None), ((1 << 26) // 7 // 64 * 64, 7, None), ((1 << 26) // 2048, 2048, None),
-    ((1 << 26) // 4096, 4096, None), ((1 << 26) // 1336, 1336, None),
-    ((1 << 26) // 8192, 8192, "loop"),
+    ((1 << 26) // 4096, 4096, None), ((1 << 26) // 8192, 8192, "loop"),
     (8, (1 << 26) // 8, "split"), ((1 << 26) // 65536, 65536, None),
 ])
 def test_triton_matches_reference_large_gpu(num_blocks: int, period: int, route) -> None:

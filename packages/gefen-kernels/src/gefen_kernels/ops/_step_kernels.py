@@ -247,76 +247,35 @@ def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma_block, p
 
 
 @jit
-def _tile_piece(p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask, cols,  # type: ignore[no-untyped-def]
-                period, ncols, ncols_magic, ncols_shift, s_old, b1, omb1, bc2, bc1, eps,
-                FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr, OFFS64: tl.constexpr):
-    """Loads and momentum of columns ``cols`` of ``blocks``: ``(offs, mask, g, m, p, V,
-    sigma)`` of the ``[BPP, len(cols)]`` tile (see :func:`_update_inputs`)."""
-    mask = bmask[:, None] & (cols < period)[None, :]
-    offs = blocks[:, None] * period + cols[None, :]
-    g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
-    p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
-                                          ncols, ncols_magic, ncols_shift, bc2, bc1, eps,
-                                          FACTORED, OFFS64)
-    return offs, mask, g, m, p, big_v, sigma_elem
-
-
-@jit
 def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
                  table_ptr, num_blocks, period, ncols, ncols_magic, ncols_shift, b1, omb1, b2,
                  omb2, eps, lr, bc2, bc1, decay, seed_u, BPP: tl.constexpr, P2: tl.constexpr,
                  FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 STEPS: tl.constexpr, OFFS64: tl.constexpr, TAIL: tl.constexpr):
+                 STEPS: tl.constexpr, OFFS64: tl.constexpr):
     """The tile route's work for program ``pid`` of one tensor: blocks
     ``[pid * BPP, (pid + 1) * BPP)`` as a ``[BPP, P2]`` register tile. ``OFFS64``: int64
-    offsets, else int32 (``pid``, ``num_blocks`` and ``period`` must then be int32).
-
-    ``TAIL > 0`` (:func:`tile_shape`): the tile is a ``[BPP, P2 // 2]`` head, every column
-    inside the block, and a ``[BPP, TAIL]`` tail for the rest. Masked lanes still execute the
-    kernel's arithmetic, so a period just above a power of two (GPT-2's 1152, Llama's 1336)
-    runs on 1152 or 1536 lanes instead of 2048. Codes, scales and (factored mode) parameters
-    are the same bits either way (a max does not depend on its order); in block mode ``sum
-    g^2`` is summed head, then tail, so the second moment may differ in its last bits."""
+    offsets, else int32 (``pid``, ``num_blocks`` and ``period`` must then be int32)."""
     period = _index(period, OFFS64)
     num_blocks = _index(num_blocks, OFFS64)
     blocks = _index(pid, OFFS64) * BPP + _index(tl.arange(0, BPP), OFFS64)
+    cols = _index(tl.arange(0, P2), OFFS64)
     bmask = blocks < num_blocks
+    mask = bmask[:, None] & (cols < period)[None, :]
+    offs = blocks[:, None] * period + cols[None, :]
     s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
-    if TAIL == 0:
-        offs, mask, g, m, p, big_v, sigma_elem = _tile_piece(
-            p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask,
-            _index(tl.arange(0, P2), OFFS64), period, ncols, ncols_magic, ncols_shift, s_old,
-            b1, omb1, bc2, bc1, eps, FACTORED, MAXIMIZE, OFFS64)
-        s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
-        sumsq = tl.sum(g * g, axis=1)
-    else:
-        offs, mask, g, m, p, big_v, sigma_elem = _tile_piece(
-            p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask,
-            _index(tl.arange(0, P2 // 2), OFFS64), period, ncols, ncols_magic, ncols_shift,
-            s_old, b1, omb1, bc2, bc1, eps, FACTORED, MAXIMIZE, OFFS64)
-        offs_t, mask_t, g_t, m_t, p_t, big_v_t, sigma_t = _tile_piece(
-            p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask,
-            _index(tl.arange(0, TAIL) + P2 // 2, OFFS64), period, ncols, ncols_magic,
-            ncols_shift, s_old, b1, omb1, bc2, bc1, eps, FACTORED, MAXIMIZE, OFFS64)
-        # tl_nan_max over the union of both pieces: max is exact in any order, and a NaN in
-        # either piece makes the block's scale NaN.
-        s_max = tl.maximum(tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1),
-                           tl.max(tl.where(mask_t, tl.abs(m_t), 0.0), axis=1))
-        any_nan = tl.maximum(tl.max((mask & (m != m)).to(tl.int32), axis=1),
-                             tl.max((mask_t & (m_t != m_t)).to(tl.int32), axis=1))
-        s_new = tl.where(any_nan > 0, float("nan"), s_max)
-        sumsq = tl.sum(g * g, axis=1) + tl.sum(g_t * g_t, axis=1)
+    g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
+    p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
+                                          ncols, ncols_magic, ncols_shift, bc2, bc1, eps,
+                                          FACTORED, OFFS64)
+    s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
     sigma = s_new  # unused in factored mode
     if not FACTORED:
         v_old = tl.load(v_ptr + blocks, mask=bmask, other=0.0)
-        v_new, sigma = _block_sigma(sumsq, v_old, period, b2, omb2, eps, bc2, bc1)
+        v_new, sigma = _block_sigma(tl.sum(g * g, axis=1), v_old, period, b2, omb2, eps, bc2,
+                                    bc1)
         tl.store(v_ptr + blocks, v_new, mask=bmask)
     _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], sigma[:, None], p,
            big_v, sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
-    if TAIL != 0:
-        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs_t, mask_t, m_t, s_new[:, None],
-               sigma[:, None], p_t, big_v_t, sigma_t, lr, decay, seed_u, FACTORED, STOCHASTIC,
-               STEPS)
     tl.store(s_ptr + blocks, s_new, mask=bmask)
 
 
@@ -328,15 +287,14 @@ def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                       ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
                       BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
                       MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
-                      SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr,
-                      TAIL: tl.constexpr):
+                      SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr):
     """Tile route: program ``pid`` owns blocks ``[pid * BPP, (pid + 1) * BPP)``."""
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
     _tile_blocks(tl.program_id(0), p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr,
                  col_ptr, inv_rbar_ptr, cb_ptr, table_ptr, num_blocks, period, ncols, ncols_magic,
                  ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay,
                  _load_seed(seed_ptr, seed, SEED_PTR), BPP,
-                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64, TAIL)
+                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64)
 
 
 @jit(do_not_specialize=["seed", "num_blocks", "ncols_magic", "ncols_shift"])
@@ -450,26 +408,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-#: The narrowest tail :func:`tile_shape` splits off (narrower tails save too few lanes to pay
-#: for a second set of loads and reductions).
-TAIL_MIN = 16
-
-
-def tile_shape(period: int) -> tuple[int, int, int]:
-    """``(P2, BPP, TAIL)`` of the tile route for ``period`` (the constexprs of
-    :func:`_tile_blocks`): ``P2`` the next power of two, ``BPP`` blocks per program and
-    ``TAIL`` the width of the tail piece, or 0 for one ``[BPP, P2]`` tile. A period ``P`` with
-    ``P2 / 2 < P <= 3 P2 / 4`` is held as a ``P2 / 2`` head plus a tail of the next power of
-    two ``>= P - P2 / 2`` columns when that tail is at least :data:`TAIL_MIN` wide: e.g. 1152
-    -> 1024 + 128 lanes, 1336 -> 1024 + 512, instead of 2048."""
-    p2 = _next_pow2(period)
-    bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
-    tail = _next_pow2(period - p2 // 2) if period > p2 // 2 else 0
-    if not TAIL_MIN <= tail < p2 // 2:
-        tail = 0
-    return p2, bpp, tail
-
-
 def choose_route(num_blocks: int, period: int, device: torch.device) -> str:
     """Performance-only routing (all routes give the same codes and scales)."""
     if period <= TILE_MAX_PERIOD:
@@ -519,13 +457,14 @@ def launch_step(
     magic, shift = ncols_divider(ncols)
     route = route or choose_route(num_blocks, period, param.device)
     if route == "tile":
-        p2, bpp, tail = tile_shape(period)
+        p2 = _next_pow2(period)
+        bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
         grid = (triton.cdiv(num_blocks, bpp),)
         _step_tile_kernel[grid](
             flat_p, flat_g, codes, scale, v_ptr, row_ptr, col_ptr, inv_ptr, codebook, table,
             hyper_ptr, seed_ptr, num_blocks, period, ncols, magic, shift, b1, f32(1.0 - b1), b2,
             f32(1.0 - b2), f32(eps), scal["lr"], scal["bc2"], scal["bc1"], scal["decay"],
-            to_signed64(seed), BPP=bpp, P2=p2, TAIL=tail, **common, **flags,
+            to_signed64(seed), BPP=bpp, P2=p2, **common, **flags,
             num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
     elif route == "loop":
         _step_loop_kernel[(num_blocks,)](
@@ -568,5 +507,4 @@ def launch_step(
         raise ValueError(f"unknown route {route!r}; expected 'tile', 'loop' or 'split'")
 
 
-__all__ = ["choose_route", "denominator", "launch_step", "ncols_divider", "tile_shape",
-           "tile_warps"]
+__all__ = ["choose_route", "denominator", "launch_step", "ncols_divider", "tile_warps"]

@@ -20,11 +20,11 @@ import torch
 from torch import Tensor
 
 from .._numerics import f32
-from .._triton import require_triton, triton
+from .._triton import program_elements, require_triton, triton
 from ._dispatch import check_device_for_triton, use_triton
 from ._group_kernels import _group_tile_kernel
 from ._search_table import kernel_table
-from ._step_kernels import TILE_MAX_PERIOD, needs_int64, tile_shape, tile_warps
+from ._step_kernels import TILE_ELEMENTS, TILE_MAX_PERIOD, needs_int64, tile_warps
 from ._triton_helpers import LAUNCH_OPTIONS
 from .block_step import _check, block_step_reference, block_step_triton
 from .step_groups import _spec, tile_meta_row
@@ -164,12 +164,13 @@ def multi_block_step_triton(
                               stochastic_round=stochastic_round, hyper=hyper[i],
                               seed_tensor=seeds[i:i + 1])
             continue
-        key = (p.dtype, grads[i].dtype, tile_shape(period), _spec(period),
-               needs_int64(num_blocks, period))
+        p2 = 1 << max(0, (period - 1).bit_length())
+        key = (p.dtype, grads[i].dtype, p2, _spec(period), needs_int64(num_blocks, period))
         groups.setdefault(key, []).append(i)
     table, steps = kernel_table(codebook, stochastic=bool(stochastic_round))
     b1, b2 = f32(beta1), f32(beta2)
-    for (p_dtype, g_dtype, (p2, bpp, tail), spec, offs64), members in groups.items():
+    for (p_dtype, g_dtype, p2, spec, offs64), members in groups.items():
+        bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
         meta, prog, gptr, programs = _group_tables(members, params, grads, codes, scales,
                                                    exp_avg_sqs, bpp, spec, params[0].device)
         m0 = members[0]
@@ -177,7 +178,7 @@ def multi_block_step_triton(
             meta, prog, gptr, params[m0], grads[m0], codes[m0], scales[m0], codebook, codebook,
             table, hyper, seeds, b1, f32(1.0 - b1), b2, f32(1.0 - b2), f32(eps),
             P_VEC=16 // p_dtype.itemsize, G_VEC=16 // g_dtype.itemsize, BPP=bpp, P2=p2,
-            TAIL=tail, FACTORED=False, MAXIMIZE=bool(maximize), STOCHASTIC=bool(stochastic_round),
+            FACTORED=False, MAXIMIZE=bool(maximize), STOCHASTIC=bool(stochastic_round),
             STEPS=steps, OFFS64=offs64, SPEC_PERIOD=spec, SPEC_NCOLS=1,
             num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
 

@@ -216,3 +216,30 @@ def test_steady_steps_equal_full_steps_on_cuda(stochastic_round: bool,
         runs.append((params, opt))
     assert hits == [True] * 5, hits
     _assert_runs_equal(runs)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("factored_v_2d", [True, False])
+def test_model_on_a_device_other_than_the_current_one(factored_v_2d: bool) -> None:
+    """``model.to("cuda:1")`` without ``set_device``: the first step (period search,
+    histogram, first update) and the steady steps launch on the parameters' device and give
+    the bits of the same run on ``cuda:0``."""
+    assert torch.cuda.current_device() == 0
+    runs = []
+    for dev in ("cuda:0", "cuda:1"):
+        params = [(n, p.detach().to(dev).requires_grad_()) for n, p in _params(torch.bfloat16)]
+        opt = Gefen(params, lr=1e-3, factored_v_2d=factored_v_2d)
+        for step in range(4):
+            _feed(params, step)
+            opt.step()
+        assert torch.cuda.current_device() == 0
+        runs.append((params, opt))
+    (pa, oa), (pb, ob) = runs
+    for (name, a), (_, b) in zip(pa, pb):
+        assert b.device == torch.device("cuda:1") and torch.equal(a.cpu(), b.cpu()), name
+        for key, value in oa.state[a].items():
+            other = ob.state[b][key]
+            same = torch.equal(value.cpu(), other.cpu()) if isinstance(value, torch.Tensor) \
+                else value == other
+            assert same, f"{name} {key}"

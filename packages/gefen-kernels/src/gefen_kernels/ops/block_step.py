@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _validation as V
-from ._dispatch import use_triton
+from ._dispatch import on_tensor_device, use_triton
 from ._step_kernels import launch_step
 from ._step_ref import StepScalars, denominator, make_scalars, run_step
 
@@ -122,6 +122,7 @@ def _second_moment(v: Tensor, sumsq: Tensor, period: int, sc: StepScalars) -> Te
 # --------------------------------------------------------------------------------------------
 
 
+@on_tensor_device
 def block_step_triton(
     param: Tensor,
     grad: Tensor,

@@ -30,7 +30,7 @@ from .. import _numerics
 from .. import _validation as V
 from .._numerics import FLT_MIN, f32
 from .._triton import jit, program_elements, require_triton, tl
-from ._dispatch import check_device_for_triton, use_triton
+from ._dispatch import check_device_for_triton, on_tensor_device, use_triton
 from ._step_kernels import launch_step
 from ._step_ref import StepScalars, denominator, make_scalars, run_step
 from ._triton_helpers import LAUNCH_OPTIONS
@@ -725,6 +725,7 @@ _FIN_CONSTS = dict(FR=_FIN_ROWS, SR=_FIN_SR, FC=_FIN_COLS, SP=_FIN_SP, FT=_FIN_T
                    num_warps=4, **LAUNCH_OPTIONS)
 
 
+@on_tensor_device
 def factored_stats_triton(grad: Tensor, exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, *,
                           beta2: float,
                           layout: tuple[int, int, int, int, int] | None = None) -> Tensor:
@@ -782,6 +783,7 @@ def _finalize_triton(exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, stats: Tens
     return inv_rbar
 
 
+@on_tensor_device
 def factored_step_triton(
     param: Tensor,
     grad: Tensor,

@@ -18,7 +18,7 @@ from .. import _validation as V
 from .._numerics import HISTOGRAM_BINS
 from .._triton import jit, program_elements, require_triton, tl, triton
 from ._chunks import block_groups
-from ._dispatch import check_device_for_triton, use_triton
+from ._dispatch import check_device_for_triton, on_tensor_device, use_triton
 from ._triton_helpers import LAUNCH_OPTIONS
 from .period_scores import reject_dtensor
 
@@ -239,6 +239,7 @@ def _bincount(bins: Tensor) -> Tensor:
     return torch.bincount(bins, minlength=HISTOGRAM_BINS + 1)[:HISTOGRAM_BINS]
 
 
+@on_tensor_device
 def histogram_triton(grad: Tensor, period: int, *, _route: str | None = None,
                      _split_elements: int = _HIST_SPLIT) -> Tensor:
     """Triton twin of :func:`histogram_reference` (same signature, identical counts).
@@ -338,7 +339,8 @@ def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
         else:
             acc[g.device] = counts
     for device, items in batched.items():
-        counts = _triton_counts(items, device)
+        with torch.cuda.device(device):  # Triton launches on the current device (on_tensor_device)
+            counts = _triton_counts(items, device)
         if device in acc:
             acc[device] += counts
         else:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .._numerics import f32
 from .._triton import program_elements, require_triton, triton
-from ._dispatch import check_device_for_triton, use_triton
+from ._dispatch import check_device_for_triton, on_tensor_device, use_triton
 from ._group_kernels import _group_tile_kernel
 from ._search_table import kernel_table
 from ._step_kernels import TILE_ELEMENTS, TILE_MAX_PERIOD, needs_int64, tile_warps
@@ -126,6 +126,7 @@ def _group_tables(members: list[int], params: list[Tensor], grads: list[Tensor],
     return tables
 
 
+@on_tensor_device
 def multi_block_step_triton(
     params: list[Tensor], grads: list[Tensor], codes: list[Tensor], scales: list[Tensor],
     exp_avg_sqs: list[Tensor], codebook: Tensor, *, beta1: float, beta2: float, eps: float,

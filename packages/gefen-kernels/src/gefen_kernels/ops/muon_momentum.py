@@ -34,7 +34,7 @@ from torch import Tensor
 from .. import _validation as V
 from .._numerics import f32, momentum_ema
 from ._chunks import block_groups
-from ._dispatch import use_triton
+from ._dispatch import on_tensor_device, use_triton
 from ._muon_kernels import launch_muon_momentum
 from ._quant_ref import nearest_codes, sr_uniform_int64, stochastic_codes
 
@@ -170,6 +170,7 @@ def muon_momentum_reference(
 # --------------------------------------------------------------------------------------------
 
 
+@on_tensor_device
 def muon_momentum_triton(
     grad: Tensor,
     codes: Tensor,

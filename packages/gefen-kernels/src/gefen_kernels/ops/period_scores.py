@@ -49,7 +49,7 @@ from torch import Tensor
 
 from .. import _validation as V
 from .._triton import require_triton
-from ._dispatch import check_device_for_triton, use_triton
+from ._dispatch import check_device_for_triton, on_tensor_device, use_triton
 from ._period_kernels import TILE as _KERNEL_TILE
 from ._period_kernels import host_to_device, scores_triton, scores_triton_many
 
@@ -311,6 +311,7 @@ def period_scores_reference(grad: Tensor, candidates: Tensor, variant: str) -> T
     return _scores(grad, cands, variant, _CHUNK_REFERENCE)
 
 
+@on_tensor_device
 def period_scores_triton(grad: Tensor, candidates: Tensor, variant: str) -> Tensor:
     """Triton twin of :func:`period_scores_reference` (same signature and meaning).
 
@@ -404,6 +405,7 @@ def multi_period_scores_reference(grads: Sequence[Tensor], candidates: Sequence[
     return list(flat.split([c.shape[0] for c in candidates]))
 
 
+@on_tensor_device
 def multi_period_scores_triton(grads: Sequence[Tensor], candidates: Sequence[Tensor],
                                variant: str) -> list[Tensor]:
     """Triton twin of :func:`multi_period_scores_reference` (same signature and meaning).

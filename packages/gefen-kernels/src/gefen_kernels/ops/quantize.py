@@ -17,7 +17,7 @@ from .. import _numerics
 from .. import _validation as V
 from .._numerics import to_signed64
 from .._triton import jit, program_elements, require_triton, tl, triton
-from ._dispatch import check_device_for_triton, use_triton
+from ._dispatch import check_device_for_triton, on_tensor_device, use_triton
 from ._quant_ref import nearest_codes, sr_uniform_int64, stochastic_codes
 from ._search_table import kernel_table
 from ._triton_helpers import LAUNCH_OPTIONS, tl_quantize_nearest, tl_quantize_stochastic
@@ -150,6 +150,7 @@ def _launch_quantize(x: Tensor, codebook: Tensor, seed: int, offset: int,
     return out
 
 
+@on_tensor_device
 def quantize_nearest_triton(x: Tensor, codebook: Tensor) -> Tensor:
     """Triton twin of :func:`quantize_nearest_reference` (same signature, same codes).
 
@@ -161,6 +162,7 @@ def quantize_nearest_triton(x: Tensor, codebook: Tensor) -> Tensor:
     return _launch_quantize(x, codebook, 0, 0, False)
 
 
+@on_tensor_device
 def quantize_stochastic_triton(x: Tensor, codebook: Tensor, seed: int, offset: int = 0) -> Tensor:
     """Triton twin of :func:`quantize_stochastic_reference` (same hash, same codes)."""
     _check(x, codebook)

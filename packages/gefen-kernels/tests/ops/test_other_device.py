@@ -40,9 +40,11 @@ def _inputs(period: int = 96, blocks: int = 64) -> dict[str, torch.Tensor]:
             "codebook": make_codebook(period), **st}
 
 
-def _on_both(run: Callable[[dict[str, torch.Tensor]], object]) -> None:
+def _on_both(run: Callable[[dict[str, torch.Tensor]], object], *,
+             result_on: str | None = None) -> None:
     """``run`` on copies of the same inputs on cuda:0 and cuda:1; every tensor it mutates or
-    returns must be the same bits."""
+    returns must be the same bits, and its results on the inputs' device (``result_on``: on
+    that device instead)."""
     assert torch.cuda.current_device() == 0
     results = []
     for dev in ("cuda:0", "cuda:1"):
@@ -51,7 +53,7 @@ def _on_both(run: Callable[[dict[str, torch.Tensor]], object]) -> None:
         outs = out if isinstance(out, (list, tuple)) else [out]
         for o in outs:
             if isinstance(o, torch.Tensor):
-                assert o.device == torch.device(dev)
+                assert o.device == torch.device(result_on or dev)
         results.append([o.cpu() for o in outs if isinstance(o, torch.Tensor)]
                        + [v.cpu() for v in t.values()])
         assert torch.cuda.current_device() == 0
@@ -92,7 +94,7 @@ def test_histogram(op) -> None:
 
 
 def test_histogram_sum() -> None:
-    _on_both(lambda t: histogram_sum([t["grad"], t["param"]], [96, 32]))
+    _on_both(lambda t: histogram_sum([t["grad"], t["param"]], [96, 32]), result_on="cpu")
 
 
 def test_muon_momentum() -> None:

@@ -176,6 +176,19 @@ def test_step_cpu_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     assert report["copy_bandwidth"]["gb_per_s"] > 0
 
 
+def test_step_skips_graph_entries_off_cuda(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, [
+        "step", "--device", "cpu", "--scale", "tiny", "--models", "gpt2",
+        "--optimizers", "gefen-graph,adamw-foreach", "--steps", "1", "--warmup", "0",
+        "--out", str(tmp_path)])
+    assert code == 0, err
+    report = json.loads((tmp_path / "step.json").read_text())
+    assert report["skipped"] == {
+        "gefen-graph": "CUDA graph capture needs a CUDA device, not cpu"}
+    assert [r["optimizer"] for r in report["rows"]] == ["adamw-foreach"]
+    assert report["rows"][0]["cuda_graph"] is False
+
+
 def test_memory_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run(capsys, ["memory", "--scale", "tiny", "--optimizers", "adamw",
                                  "--out", str(tmp_path)])
@@ -194,15 +207,17 @@ def test_step_cuda_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     """``gefen-bench step`` on CUDA: valid JSON, timed with CUDA events, memory measured."""
     code, _, err = _run(capsys, [
         "step", "--device", "cuda", "--scale", "tiny", "--models", "gpt2",
-        "--optimizers", "adamw-fused,gefen", "--steps", "5", "--warmup", "2",
-        "--out", str(tmp_path)])
+        "--optimizers", "adamw-fused,gefen,gefen-graph,adamw-fused-graph", "--steps", "5",
+        "--warmup", "2", "--out", str(tmp_path)])
     assert code == 0, err
     report = json.loads((tmp_path / "step.json").read_text())
     assert report["device"].startswith("cuda") and report["failed"] == {}
     assert "GiB buffer" in report["copy_bandwidth"]["method"]
     assert report["copy_bandwidth"]["gb_per_s"] > 0
     rows = {r["optimizer"]: r for r in report["rows"]}
-    assert set(rows) == {"adamw-fused", "gefen"}
+    assert set(rows) == {"adamw-fused", "gefen", "gefen-graph", "adamw-fused-graph"}
+    assert {n for n, r in rows.items() if r["cuda_graph"]} == {"gefen-graph",
+                                                                "adamw-fused-graph"}
     shapes = shapes_for("gpt2", "tiny")
     for r in rows.values():
         assert r["timer"] == "cuda-events"

@@ -102,6 +102,53 @@ def test_external_peer_without_target_is_skipped_with_instructions(tmp_path) -> 
     assert reason is not None and "no gefen/__init__.py" in reason
 
 
+def test_graph_entries_run_only_in_the_step_command_on_cuda() -> None:
+    graphs = [n for n, spec in registry.REGISTRY.items() if spec.graph]
+    assert set(graphs) == {"gefen-graph", "gefen-blockv-graph", "adamw-fused-graph"}
+    for name in graphs:
+        assert registry.get_spec(name).options.get("capturable") is True
+        assert "only gefen-bench step" in (registry.availability(name) or "")
+        assert "needs a CUDA device" in (
+            registry.availability(name, device=torch.device("cpu")) or "")
+        assert registry.availability(name, device=torch.device("cuda")) is None
+    assert not set(graphs) & set(registry.TRAIN_DEFAULT)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["adamw-fused-graph", "gefen-graph", "gefen-blockv-graph"])
+def test_captured_step_replays_the_eager_steps(name: str) -> None:
+    """The step command's capture: the capture itself steps nothing, each replay one step,
+    bit for bit as the same optimizer stepped eagerly (both ``capturable=True``)."""
+    from gefen_bench.param_sets import build_param_set
+    from gefen_bench.step import _captured
+
+    device = torch.device("cuda")
+    results = []
+    for graphed in (False, True):
+        named = build_param_set(shapes_for("gpt2", "tiny"), device=device,
+                                dtype=torch.bfloat16, seed=0)
+        opts = registry.build(name, named, lr=1e-2, weight_decay=0.0, device=device)
+
+        def step(opts: list[torch.optim.Optimizer] = opts) -> None:
+            for o in opts:
+                o.step()
+
+        step()  # the first step is eager in both (period search, codebook, state)
+        if graphed:
+            replay = _captured(step, device, warmup=2)
+        else:
+            for _ in range(2):
+                step()
+            replay = step
+        for _ in range(3):
+            replay()
+        torch.cuda.synchronize()
+        results.append([p.detach().clone() for _, p in named])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_worker_failure_is_reported_verbatim() -> None:
     out = run_job({"kind": "nonsense"}, timeout_s=60)
     assert out.status == "failed"

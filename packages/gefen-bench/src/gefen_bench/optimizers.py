@@ -56,6 +56,9 @@ class OptimizerSpec:
         min_bytes_per_param: the least bytes per parameter one bf16 step must move (the
             bandwidth roofline of ``gefen-bench step``; see ANCHOR-FIGURES.md).
         options: optimizer keyword arguments recorded in reports.
+        graph: ``gefen-bench step`` captures the steady step in a CUDA graph and times its
+            replays (the optimizer is built with ``capturable=True``); only that command on a
+            CUDA device runs it (:func:`availability`).
     """
 
     name: str
@@ -66,6 +69,7 @@ class OptimizerSpec:
     external: str | None = None
     min_bytes_per_param: float = 14.0
     options: dict[str, object] = field(default_factory=dict)
+    graph: bool = False
 
 
 def split_for_muon(
@@ -195,6 +199,26 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       lambda n, **kw: _build_gefen(n, factored_v_2d=False, **kw),
                       requires="gefen-core", min_bytes_per_param=8.0,
                       options={"factored_v_2d": False}),
+        # Launch-bound sets (GPT-2's 148 tensors) without host launch cost: the steady step is
+        # captured once and replayed (torch's CUDA-graph recipe; lr is a float, baked in).
+        OptimizerSpec("gefen-graph", "gefen_core.Gefen(capturable=True), step in a CUDA graph",
+                      GEFEN_LR_RATIO, lambda n, **kw: _build_gefen(n, capturable=True, **kw),
+                      requires="gefen-core and a CUDA device", min_bytes_per_param=8.0,
+                      options={"capturable": True}, graph=True),
+        OptimizerSpec("gefen-blockv-graph",
+                      "gefen_core.Gefen(factored_v_2d=False, capturable=True), step in a CUDA "
+                      "graph", 0.6,
+                      lambda n, **kw: _build_gefen(n, factored_v_2d=False, capturable=True,
+                                                   **kw),
+                      requires="gefen-core and a CUDA device", min_bytes_per_param=8.0,
+                      options={"factored_v_2d": False, "capturable": True}, graph=True),
+        OptimizerSpec("adamw-fused-graph",
+                      "torch.optim.AdamW(fused=True, capturable=True), step in a CUDA graph",
+                      1.0,
+                      lambda n, **kw: _build_adamw(n, impl={"fused": True, "capturable": True},
+                                                   **kw),
+                      requires="a CUDA device", min_bytes_per_param=14.0,
+                      options={"fused": True, "capturable": True}, graph=True),
         OptimizerSpec("adafactor", "torch.optim.Adafactor (relative step size)", 3.0,
                       _build_adafactor, requires="torch>=2.5 (torch.optim.Adafactor)",
                       min_bytes_per_param=6.0),
@@ -281,10 +305,20 @@ def external_version(target: str) -> str | None:
     return None
 
 
-def availability(name: str, targets: dict[str, str] | None = None) -> str | None:
-    """``None`` when ``name`` can run here, else the reason it is skipped (one line)."""
+def availability(name: str, targets: dict[str, str] | None = None,
+                 device: torch.device | None = None) -> str | None:
+    """``None`` when ``name`` can run here, else the reason it is skipped (one line).
+
+    ``device``: where ``gefen-bench step`` runs; CUDA-graph entries (``graph=True``) run only
+    there, on a CUDA device (other commands pass no device and skip them).
+    """
     spec = get_spec(name)
     targets = targets or {}
+    if spec.graph:
+        if device is None:
+            return "a CUDA-graph entry: only gefen-bench step captures and replays it"
+        if device.type != "cuda":
+            return f"CUDA graph capture needs a CUDA device, not {device.type}"
     if spec.external is not None:
         target = targets.get(spec.external)
         if target is None:

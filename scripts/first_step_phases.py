@@ -1,0 +1,105 @@
+"""Where the first fused Gefen step's wall time goes, phase by phase (diagnostic, CUDA).
+
+    PYTHONPATH=<packages>/src python scripts/first_step_phases.py --models gpt2,llama
+
+The issue's first-step target (period search + codebook + first update, ≤ 100 ms) is a wall
+time, mostly host time. For each model-shaped bf16 parameter set (``gefen_bench.param_sets``,
+the ``gefen-bench step`` gradients) this steps ``--repeats`` fresh optimizers once over the
+same gradients, after one that loads every kernel, and prints the phases of the last: the
+finiteness check, the period search, the histogram, the exact codebook solver, state creation,
+the first update (plans and launches) and the steady-step cache. Each phase is timed from a
+device synchronisation to the next, so a phase owns the device work it queued; the sum is a
+little above the unsynchronised first step, printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+
+def _timed(totals: dict[str, float], name: str, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.synchronize()
+            totals[name] += time.perf_counter() - t0
+
+    return wrapper
+
+
+def _phases(model: str, repeats: int) -> None:
+    import gefen_core.codebook as codebook
+    import gefen_core.optimizer as optimizer
+    import gefen_kernels.ops as ops
+    from gefen_bench.param_sets import build_param_set, shapes_for
+    from gefen_core import Gefen
+
+    dev = torch.device("cuda")
+    named = build_param_set(shapes_for(model, "full"), device=dev, dtype=torch.bfloat16)
+    plain = []
+    for _ in range(repeats + 1):
+        opt = Gefen(named, lr=1e-4, weight_decay=0.0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize()
+        plain.append((time.perf_counter() - t0) * 1e3)
+        del opt
+    totals: dict[str, float] = defaultdict(float)
+    patches = [
+        (Gefen, "_all_finite", "finiteness check", True),
+        (Gefen, "_search_periods", "period search", False),
+        (ops, "histogram_sum", "histogram", False),
+        (codebook, "optimal_codebook", "codebook solver", False),
+        (Gefen, "_init_group", "state creation", False),
+        (optimizer, "_gefen_functional", "first update", False),
+        (optimizer._steady_step, "build", "steady-step cache", False),
+    ]
+    saved = []
+    for owner, attr, label, static in patches:
+        fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        saved.append((owner, attr, fn))
+        inner = fn.__func__ if static else fn
+        wrapped = _timed(totals, label, inner)
+        setattr(owner, attr, staticmethod(wrapped) if static else wrapped)
+    try:
+        opt = Gefen(named, lr=1e-4, weight_decay=0.0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize()
+        total = (time.perf_counter() - t0) * 1e3
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    print(f"\n=== {model}: first step of fresh optimizers, kernels loaded: "
+          + " / ".join(f"{t:.1f}" for t in plain[1:]) + " ms (unsynchronised)")
+    print(f"with a sync around each phase: {total:.1f} ms")
+    accounted = 0.0
+    for label, seconds in totals.items():
+        accounted += seconds * 1e3
+        print(f"  {label:<20s} {seconds * 1e3:8.1f} ms")
+    print(f"  {'other':<20s} {total - accounted:8.1f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt2,llama")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    for model in args.models.split(","):
+        _phases(model.strip(), args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -111,6 +111,40 @@ def test_cuda_graph_capture_matches_eager_capturable_steps() -> None:
     assert graphed.state_dict()["gefen_meta"]["global_step"] == eager._global_step
 
 
+@pytest.mark.parametrize("stochastic_round", [False, True])
+def test_capturable_steps_take_grouped_launches_bit_identical_to_per_tensor(
+        monkeypatch: pytest.MonkeyPatch, stochastic_round: bool) -> None:
+    """capturable=True steps assemble their scalars and seeds on the device and take the
+    grouped launches (a few launches for the list, which a captured graph then replays), with
+    the bits of the per-tensor capturable launches."""
+    from gefen_core import functional
+    from gefen_kernels.ops.step_groups import StepGroups
+
+    grouped_calls = []
+    real = StepGroups.launch_staged
+
+    def spy(self, grads, buffer, scalars, seeds, *, device_scalars=False):  # type: ignore[no-untyped-def]
+        grouped_calls.append(device_scalars)
+        return real(self, grads, buffer, scalars, seeds, device_scalars=device_scalars)
+
+    monkeypatch.setattr(StepGroups, "launch_staged", spy)
+    runs = []
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(functional, "_grouped_capturable", lambda *a, **k: False)
+        params = _params(torch.bfloat16)
+        opt = Gefen(params, lr=1e-2, weight_decay=0.1, capturable=True,
+                    stochastic_round=stochastic_round)
+        for step in range(4):
+            _feed(params, step)
+            opt.step()
+        runs.append((params, opt))
+        if grouped:
+            assert grouped_calls == [True] * 4
+    assert grouped_calls == [True] * 4  # the per-tensor run launched no group
+    _assert_runs_equal(runs)
+
+
 def test_same_device_resume_is_bit_identical_on_cuda() -> None:
     params = _params(torch.bfloat16)
     opt = Gefen(params, lr=1e-2)

@@ -170,6 +170,27 @@ def test_foreach_and_capturable_are_bit_identical_to_the_for_loop(stochastic_rou
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(other).cpu()), key
 
 
+def test_capturable_seeds_of_a_step_are_mixed_in_one_launch_with_the_host_values() -> None:
+    # The per-tensor seeds (T * MIX) xor salt of a capturable step come from one device op
+    # over a salts table; each slot gets a [1] view with the value the host formula gives.
+    from gefen_core.optimizer import mix_seed, name_salt
+
+    w = torch.zeros(8, 8, requires_grad=True)
+    opt = Gefen([("w", w)], lr=1e-2, capturable=True)
+    opt._global_step = 123456789
+    names = ["a.weight", "b.bias", "c", "a.weight"]
+    lists: tuple[list, list] = ([None, None], [None, None])
+    slots = [(lists[i % 2], i // 2, name_salt(n)) for i, n in enumerate(names)]
+    opt._fill_device_seeds(torch.device("cpu"), slots)
+    for (seed_list, at, salt), name in zip(slots, names):
+        assert seed_list[at].shape == (1,) and seed_list[at].dtype == torch.int64
+        assert int(seed_list[at]) == mix_seed(opt._global_step, salt), name
+    assert lists[0][0].data_ptr() != lists[0][1].data_ptr()  # views of one table, not aliases
+    assert len(opt._salt_tensors) == 1  # kept for the same tensors' next step (a graph)
+    opt._fill_device_seeds(torch.device("cpu"), slots)
+    assert len(opt._salt_tensors) == 1
+
+
 def test_stochastic_rounding_is_seeded_salted_and_differs_from_nearest() -> None:
     nearest, _ = _run({})
     sr_a, opt_a = _run({"stochastic_round": True})

@@ -322,17 +322,22 @@ def _plan_for(
 
 
 def _device_hypers(
-    state_steps: Sequence[Tensor], exp_avg_sq_steps: Sequence[Tensor], *, factored: bool,
-    lr: float | Tensor, beta1: float, beta2: float, weight_decay: float,
+    state_steps: Sequence[Tensor], exp_avg_sq_steps: Sequence[Tensor], *,
+    factored: bool | Tensor, lr: float | Tensor, beta1: float, beta2: float,
+    weight_decay: float,
 ) -> Tensor:
-    """:func:`_device_hyper` for many tensors of one mode at once: fp32 ``[n, 4]``, the same
-    elementwise fp64 operations (so the same bits), a handful of launches instead of ~10 per
-    tensor, nothing copied from the host (CUDA-graph capturable)."""
+    """:func:`_device_hyper` for many tensors at once: fp32 ``[n, 4]``, the same elementwise
+    fp64 operations (so the same bits), a handful of launches instead of ~10 per tensor,
+    nothing copied from the host (CUDA-graph capturable). ``factored``: the mode of all of
+    them, or a bool device tensor ``[n]`` with each one's."""
     t = torch.stack([s.reshape(()) for s in state_steps]).to(torch.float64)
     tv = torch.stack([s.reshape(()) for s in exp_avg_sq_steps]).to(torch.float64)
     bc1_recip = 1.0 / (1.0 - torch.pow(beta1, t))
     b2 = 1.0 - torch.pow(beta2, tv)
-    bc2 = 1.0 / b2 if factored else torch.rsqrt(b2)
+    if isinstance(factored, Tensor):
+        bc2 = torch.where(factored, 1.0 / b2, torch.rsqrt(b2))
+    else:
+        bc2 = 1.0 / b2 if factored else torch.rsqrt(b2)
     if isinstance(lr, Tensor):
         lr64 = lr.detach().reshape(()).to(device=t.device, dtype=torch.float64)
     else:
@@ -362,6 +367,12 @@ def _planned_gefen(
     factored_flags = [sq is None for sq in exp_avg_sqs]
     hypers: list[Tensor] = []
     host: list[tuple[float, float, float, float]] = []
+    if capturable and _grouped_capturable(
+            params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sqs, exp_avg_sq_rows,
+            exp_avg_sq_cols, state_steps, exp_avg_sq_steps, seed_tensors, factored_stats,
+            codebook=codebook, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, maximize=maximize, stochastic_round=stochastic_round):
+        return
     if capturable:
         hypers = [None] * n  # type: ignore[list-item]
         for mode in (False, True):
@@ -417,6 +428,47 @@ def _planned_gefen(
                     seed=0 if seeds is None else seeds[i])
 
 
+def _grouped_capturable(
+    params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg_codes: Sequence[Tensor],
+    exp_avg_scales: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor | None],
+    exp_avg_sq_rows: Sequence[Tensor | None], exp_avg_sq_cols: Sequence[Tensor | None],
+    state_steps: Sequence[Tensor], exp_avg_sq_steps: Sequence[Tensor],
+    seed_tensors: Sequence[Tensor] | None,
+    factored_stats: Sequence[tuple[Tensor, int] | None] | None, *, codebook: Tensor,
+    lr: float | Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+    maximize: bool, stochastic_round: bool,
+) -> bool:
+    """A ``capturable`` step in grouped launches, its scalars and seeds assembled on the
+    device (a few launches for the whole list instead of one to three per tensor): what a
+    captured graph replays. Bit-identical to the per-tensor capturable launches. Returns
+    ``False`` having launched nothing where it does not apply: one tensor, a tensor the plans
+    do not take, or, inside a capture, launch tables or gradient offsets that no eager step
+    of the same tensors built first (they are copied from the host)."""
+    n = len(params)
+    if (n < 2 or seed_tensors is None or params[0].device.type != "cuda"
+            or (factored_stats is not None and any(s is not None for s in factored_stats))
+            or not all(p.is_contiguous() for p in params)):
+        return False
+    options = (beta1, beta2, eps, bool(maximize), bool(stochastic_round), True)
+    plans = [_plan_for(params[i], exp_avg_codes[i], exp_avg_scales[i], exp_avg_sqs[i],
+                       exp_avg_sq_rows[i], exp_avg_sq_cols[i], codebook, options)
+             for i in range(n)]
+    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    capturing = torch.cuda.is_current_stream_capturing()
+    groups = _step_groups(plans, grads, exp_avg_codes[0], build=not capturing)
+    if groups is None:
+        return False
+    gptr = groups.device_offsets(grads)
+    if gptr is None:
+        return False
+    hyper = _device_hypers(state_steps, exp_avg_sq_steps, factored=groups.factored_mask,
+                           lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    seeds = torch.cat([s.reshape(1) for s in seed_tensors])
+    groups.launch_staged(grads, groups.device_buffer(hyper, gptr, seeds), None, None,
+                         device_scalars=True)
+    return True
+
+
 def _host_rows(
     state_steps: Sequence[Tensor], exp_avg_sq_steps: Sequence[Tensor],
     factored_flags: Sequence[bool], *, lr: float, beta1: float, beta2: float,
@@ -457,10 +509,11 @@ def _host_rows_from(
 _GROUPS: Any = None
 
 
-def _step_groups(plans: Sequence[Any], grads: Sequence[Tensor], anchor: Tensor) -> Any:
+def _step_groups(plans: Sequence[Any], grads: Sequence[Tensor], anchor: Tensor, *,
+                 build: bool = True) -> Any:
     """The cached :class:`~gefen_kernels.ops.step_groups.StepGroups` of these plans and
-    gradients (rebuilt when they no longer fit it). ``anchor``: the first tensor's codes; the
-    launch tables live as long as it does."""
+    gradients (rebuilt when they no longer fit it, or ``None`` then if not ``build``).
+    ``anchor``: the first tensor's codes; the launch tables live as long as it does."""
     global _GROUPS
     from gefen_kernels.ops.step_groups import StepGroups
 
@@ -470,6 +523,8 @@ def _step_groups(plans: Sequence[Any], grads: Sequence[Tensor], anchor: Tensor) 
         _GROUPS = WeakIdKeyDictionary()
     groups = _GROUPS.get(anchor)
     if groups is None or not groups.matches(plans, grads):
+        if not build:
+            return None
         groups = StepGroups(plans, grads)
         _GROUPS[anchor] = groups
     return groups

@@ -238,6 +238,10 @@ class Gefen(Optimizer):
         self._codebook_cache: dict[torch.device, Tensor] = {}
         self._lr_cache: dict[int, tuple[weakref.ref[Tensor], int, float]] = {}
         self._device_global_step: dict[torch.device, Tensor] = {}
+        # Capturable steps: each device's per-tensor salts as one int64 tensor, so a step
+        # mixes every seed in one launch. Kept (never replaced) because a captured graph reads
+        # it at every replay; one entry per distinct list of stepped tensors.
+        self._salt_tensors: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
         # The last full step's launches, repeated while nothing they depend on changes.
         self._steady: _steady_step.SteadyStep | None = None
 
@@ -556,6 +560,7 @@ class Gefen(Optimizer):
         """Create missing state and fill the per-path tensor lists for one group."""
         by_path: dict[str, dict[str, list[Any]]] = {}
         capturable = group["capturable"]
+        pending_seeds: dict[torch.device, list[tuple[list[Any], int, int]]] = {}
         for p, g, name in entries:
             state = self.state[p]
             if "period" not in state:
@@ -612,12 +617,39 @@ class Gefen(Optimizer):
             salt = name_salt(name)
             lists["seeds"].append(mix_seed(self._global_step, salt))
             if capturable:
-                t_dev = self._device_step(dev)
-                lists["seed_tensors"].append(
-                    torch.bitwise_xor(t_dev * _to_signed64(_SEED_MIX), _to_signed64(salt))
-                    .reshape(1))
+                slot = lists["seed_tensors"]
+                pending_seeds.setdefault(dev, []).append((slot, len(slot), salt))
+                slot.append(None)
             lists["codebooks"].append(self._codebook_on(dev))
+        for dev, slots in pending_seeds.items():
+            self._fill_device_seeds(dev, slots)
         return by_path
+
+    def _fill_device_seeds(self, dev: torch.device,
+                           slots: list[tuple[list[Any], int, int]]) -> None:
+        """The capturable seeds ``(T * MIX) xor salt`` of one device's tensors (§1.9, O7) from
+        its device step count: one launch for all of them (a graph replays every launch of the
+        step, so ~2 per tensor would cost more than GPT-2's kernels), the same values as one
+        tensor at a time. Each slot ``(list, index, salt)`` gets a ``[1]`` view."""
+        t_dev = self._device_step(dev)
+        salts = tuple(salt for _, _, salt in slots)
+        key = (dev, salts)
+        table = self._salt_tensors.get(key)
+        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if table is None and not capturing:
+            # A host copy cannot be captured: a graph captured without an eager step over the
+            # same tensors first (torch's recipe warms up) mixes the seeds one by one below.
+            table = torch.tensor([_to_signed64(s) for s in salts], dtype=torch.int64,
+                                 device=dev)
+            self._salt_tensors[key] = table
+        if table is not None:
+            seeds = torch.bitwise_xor(t_dev * _to_signed64(_SEED_MIX), table)
+            views = [seeds[i:i + 1] for i in range(len(slots))]
+        else:
+            views = [torch.bitwise_xor(t_dev * _to_signed64(_SEED_MIX), _to_signed64(salt))
+                     .reshape(1) for salt in salts]
+        for (seed_list, at, _), view in zip(slots, views):
+            seed_list[at] = view
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

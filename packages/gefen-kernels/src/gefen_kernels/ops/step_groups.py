@@ -61,6 +61,10 @@ __all__ = ["GROUP_SCRATCH_BYTES", "StepGroups", "tile_meta_row"]
 # Statistics scratch of one factored launch chunk. A step's peak extra memory is this, not
 # the sum over the model (a Llama-3.2-1B step's partials total about 130 MiB).
 GROUP_SCRATCH_BYTES = 12 << 20
+# Device copies of gradient offsets kept per StepGroups for capturable steps
+# (StepGroups.device_offsets): enough for the few gradient layouts a training loop cycles
+# through, bounded where the gradients move every step.
+OFFSET_TABLES = 8
 
 _ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 _COL = {name: i for i, name in enumerate(META)}
@@ -326,6 +330,12 @@ class StepGroups:
         self.direct = sorted(set(self._singles).union(
             i for cls in self._classes if cls.stats_only for i in cls.members))
         self._pin = self.device.type == "cuda"
+        # Capturable steps (device_buffer): each plan's mode, for its scalars' formula, and
+        # the device copies of the gradient offsets, kept because a captured graph reads the
+        # copy it was captured with at every replay.
+        self.factored_mask = torch.tensor([plan.factored for plan in plans], dtype=torch.bool,
+                                          device=self.device)
+        self._offset_tables: dict[tuple[int, ...], Tensor] = {}
 
     @staticmethod
     def signature(plans: Sequence[StepPlan], grads: Sequence[Tensor]) -> tuple[Any, ...]:
@@ -386,14 +396,7 @@ class StepGroups:
         for lr, bc1, bc2, decay in scalars:
             floats += (lr, bc2, bc1, decay)  # the kernels' [lr, bc2, bc1_recip, decay]
         words = list(struct.unpack(f"<{2 * n}q", struct.pack(f"<{4 * n}f", *floats)))
-        # A grouped gradient's distance from its class's anchor, in 16-byte units (both are
-        # 16-byte aligned: matches()); 0 for the others.
-        offsets = [0 if anchor is None else g.data_ptr() - anchor.data_ptr()
-                   for g, anchor in zip(grads, self._grad_anchor)]
-        if any(d & 15 for d in offsets):
-            raise ValueError("a grouped gradient is no longer 16-byte aligned; check "
-                             "StepGroups.matches() before launch and rebuild the groups")
-        words += [d >> 4 for d in offsets]
+        words += self._offsets(grads)
         words += [to_signed64(s) for s in seeds] if seeds is not None else [0] * n
         staged = torch.tensor(words, dtype=torch.int64)
         # Pinned, from the caching host allocator: reused only after this copy has run.
@@ -401,6 +404,51 @@ class StepGroups:
                                                          device=self.device)
         buffer.copy_(staged.pin_memory() if self._pin else staged, non_blocking=self._pin)
         return buffer
+
+    def _offsets(self, grads: Sequence[Tensor]) -> list[int]:
+        """Each grouped gradient's distance from its class's anchor in 16-byte units (both are
+        16-byte aligned: :meth:`matches`); 0 for the others.
+
+        Raises:
+            ValueError: a grouped gradient lost its 16-byte alignment.
+        """
+        offsets = [0 if anchor is None else g.data_ptr() - anchor.data_ptr()
+                   for g, anchor in zip(grads, self._grad_anchor)]
+        if any(d & 15 for d in offsets):
+            raise ValueError("a grouped gradient is no longer 16-byte aligned; check "
+                             "StepGroups.matches() before launch and rebuild the groups")
+        return [d >> 4 for d in offsets]
+
+    def device_offsets(self, grads: Sequence[Tensor]) -> Tensor | None:
+        """The gradient offsets of :meth:`stage` as an int64 ``[n]`` device tensor, for a step
+        whose scalars and seeds are already on the device (``capturable``). A copy is kept
+        per distinct offsets (the first :data:`OFFSET_TABLES`), so a graph captured with it
+        stays valid while these groups live. Inside a capture, offsets that no earlier step
+        kept give ``None``: a copy from host memory cannot be captured.
+
+        Raises:
+            ValueError: a grouped gradient lost its 16-byte alignment.
+        """
+        offsets = tuple(self._offsets(grads))
+        table = self._offset_tables.get(offsets)
+        if table is not None:
+            return table
+        if self._pin and torch.cuda.is_current_stream_capturing():
+            return None
+        staged = torch.tensor(offsets, dtype=torch.int64)
+        table = torch.empty(len(offsets), dtype=torch.int64, device=self.device)
+        table.copy_(staged.pin_memory() if self._pin else staged, non_blocking=self._pin)
+        if len(self._offset_tables) < OFFSET_TABLES:
+            self._offset_tables[offsets] = table
+        return table
+
+    @staticmethod
+    def device_buffer(hyper: Tensor, offsets: Tensor, seeds: Tensor) -> Tensor:
+        """The buffer of :meth:`stage` assembled on the device in one launch: ``hyper`` fp32
+        ``[n, 4]`` (the kernels' ``[lr, bc2, bc1_recip, decay]``), ``offsets`` from
+        :meth:`device_offsets`, ``seeds`` int64 ``[n]``."""
+        words = hyper.to(torch.float32).contiguous().view(torch.int64).reshape(-1)
+        return torch.cat([words, offsets, seeds.to(torch.int64).reshape(-1)])
 
     def launch_staged(self, grads: Sequence[Tensor], buffer: Tensor,
                       scalars: Sequence[tuple[float, float, float, float]] | None,

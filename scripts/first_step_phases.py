@@ -9,13 +9,17 @@ same gradients, after one that loads every kernel, and prints the phases of the 
 finiteness check, the period search, the histogram, the exact codebook solver, state creation,
 the first update (plans and launches) and the steady-step cache. Each phase is timed from a
 device synchronisation to the next, so a phase owns the device work it queued; the sum is a
-little above the unsynchronised first step, printed beside it.
+little above the unsynchronised first step, printed beside it. ``--cprofile N`` then steps one
+more fresh optimizer under ``cProfile`` and prints its N most expensive functions (own time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
+import pstats
 import time
 from collections import defaultdict
 from typing import Any
@@ -37,7 +41,7 @@ def _timed(totals: dict[str, float], name: str, fn: Any) -> Any:
     return wrapper
 
 
-def _phases(model: str, repeats: int) -> None:
+def _phases(model: str, repeats: int, top: int) -> None:
     import gefen_core.codebook as codebook
     import gefen_core.optimizer as optimizer
     import gefen_kernels.ops as ops
@@ -90,15 +94,28 @@ def _phases(model: str, repeats: int) -> None:
         accounted += seconds * 1e3
         print(f"  {label:<20s} {seconds * 1e3:8.1f} ms")
     print(f"  {'other':<20s} {total - accounted:8.1f} ms")
+    if top:
+        opt = Gefen(named, lr=1e-4, weight_decay=0.0)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        opt.step()
+        torch.cuda.synchronize()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+        print(out.getvalue())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,llama")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also print the N functions with the most own time under cProfile")
     args = parser.parse_args()
     for model in args.models.split(","):
-        _phases(model.strip(), args.repeats)
+        _phases(model.strip(), args.repeats, args.cprofile)
 
 
 if __name__ == "__main__":

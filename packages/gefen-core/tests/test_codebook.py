@@ -600,3 +600,30 @@ def test_quantizer_input_errors():
         optimal_quantizer(x, np.array([1.0, 0.0, 1.0]), 2)
     with pytest.raises(ValueError, match="empty"):
         optimal_quantizer(np.array([]), np.array([]), 2)
+
+
+# ------------------------------------------------------------------------------------------
+# The solver on the GPU (gefen_kernels.ops.quantizer_dp), through optimal_codebook
+# ------------------------------------------------------------------------------------------
+def _gpu_counts() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8192, 512, generator=g) * torch.exp(torch.randn(8192, 1, generator=g))
+    z = x / x.abs().amax(dim=1, keepdim=True)
+    realistic = torch.bincount(torch.floor((z + 1) * 2048).clamp_(0, 4095).long().view(-1),
+                               minlength=HISTOGRAM_BINS)
+    flat = torch.ones(HISTOGRAM_BINS, dtype=torch.int64)  # every bin, equal weights: ties
+    sparse, _ = _sparse_codebook_instance()
+    return [("realistic", realistic), ("flat", flat), ("sparse 300 bins", sparse)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_codebook_solved_on_cuda_equals_the_numpy_solver():
+    import gefen_kernels
+
+    if not gefen_kernels.triton_available():
+        pytest.fail("CUDA is present but Triton is not: the GPU solver cannot be tested")
+    for name, counts in _gpu_counts():
+        on_cuda = optimal_codebook(counts, device=torch.device("cuda"))
+        assert on_cuda.device.type == "cuda" and on_cuda.dtype == torch.float32
+        assert torch.equal(on_cuda.cpu(), optimal_codebook(counts)), name

@@ -6,18 +6,18 @@ Triton specialises it (``period.to(tl.float32)`` then fails), a pointer or integ
 by 16 gets an alignment attribute, a ``tl.constexpr`` branch that the interpreter never took is
 type-checked. This script drives the real launchers (``block_step_triton``,
 ``factored_step_triton``, ``multi_block_step_triton``, ``StepGroups``, the quantize launchers,
-the Muon momentum launcher, the period scores of one and of many tensors and the histogram)
-over every route and
-constexpr combination they can pick, records each launch instead of running it, applies
-Triton's launch-time specialisation rules (ints equal to 1 -> constexpr, ints and pointers
-divisible by 16 -> ``tt.divisibility``), and compiles the result ahead of time with
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``.
+the Muon momentum launcher, the period scores of one and of many tensors, the histogram and
+the codebook DP) over every route and constexpr combination they can pick, records each
+launch instead of running it, applies Triton's launch-time specialisation rules (ints equal to
+1 -> constexpr, ints and pointers divisible by 16 -> ``tt.divisibility``), and compiles the
+result ahead of time with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``.
 
 Usage (from ``packages/gefen-kernels``)::
 
     python tests/compile_check.py                 # front end + TTIR/TTGIR passes (default)
     python tests/compile_check.py --stage cubin   # all the way to a cubin (needs ptxas)
     python tests/compile_check.py --resources     # cubin + registers, spills, occupancy
+    python tests/compile_check.py --kernel _quantizer_dp --stage ptx   # some kernels only
 
 ``--resources`` reads each cubin's resource usage with ``cuobjdump --dump-resource-usage``
 (shipped with Triton) and prints, per configuration, registers per thread, spill bytes and the
@@ -448,6 +448,15 @@ def scenarios() -> Iterator[Callable[[], None]]:
                     if "bincount" not in str(err):
                         raise
         yield run_hist
+    # The first step's codebook DP: the full-size problem (lane blocks of _BLOCK) and small
+    # ones (narrow blocks; one row per layer when k == M).
+    def run_quantizer_dp() -> None:
+        from gefen_kernels.ops.quantizer_dp import optimal_quantizer_dp_triton, quantizer_prefix
+
+        for m, k in ((4096, 256), (40, 5), (8, 8)):
+            x = torch.linspace(-1.0, 1.0, m, dtype=torch.float64)
+            optimal_quantizer_dp_triton(quantizer_prefix(x, torch.ones(m)), k)
+    yield run_quantizer_dp
 
 
 def _group_launch(cases: list[tuple[tuple[int, ...], int]], pdt: torch.dtype,
@@ -687,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="compare the grouped step kernels' and the batched period-score "
                              "kernels' TTGIR layouts with the one-tensor kernels' (same bits "
                              "need the same layouts); exit 1 if any differ")
+    parser.add_argument("--kernel", metavar="NAME", action="append",
+                        help="compile only the launches of kernels whose name contains NAME "
+                             "(repeatable); every scenario is still recorded")
     parser.add_argument("--resources", action="store_true",
                         help="compile to cubin and print registers, spills and register-limited "
                              "warps per SM of every distinct configuration")
@@ -702,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     launches = record_launches(scenarios())
+    if args.kernel:
+        launches = [launch for launch in launches
+                    if any(name in launch.kernel.__name__ for name in args.kernel)]
     failures = []
     for launch in launches:
         if args.list:

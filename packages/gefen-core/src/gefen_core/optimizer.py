@@ -471,7 +471,7 @@ class Gefen(Optimizer):
         # device-to-host sync per device, not one per tensor (exact integer sums either way).
         counts = histogram_sum(grads, blocks, reference=reference)
         counts = self._reduce_histogram(counts)
-        return optimal_codebook(counts).to(device=self._anchor_device(), dtype=torch.float32)
+        return optimal_codebook(counts, device=self._anchor_device())
 
     def _remap_codes(self, codes: Tensor, old: Tensor, new: Tensor) -> Tensor:
         from gefen_kernels.ops import quantize_nearest_reference

@@ -96,9 +96,25 @@ def test_cuda_graph_capture_matches_eager_capturable_steps() -> None:
     for (_, p), g in zip(eager_params, static):  # the eager twin repeats the warm-up step
         p.grad = g.clone()
     eager.step()
+    from gefen_core import functional
+    from gefen_kernels.ops.step_groups import StepGroups
+
+    captured = []
+    real = StepGroups.launch_staged
+
+    def spy(self, grads, buffer, scalars, seeds, *, device_scalars=False):  # type: ignore[no-untyped-def]
+        captured.append((self, device_scalars))
+        return real(self, grads, buffer, scalars, seeds, device_scalars=device_scalars)
+
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed.step()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StepGroups, "launch_staged", spy)
+        with torch.cuda.graph(graph):
+            graphed.step()
+    # The capture took the grouped launches, and keeps their tables for the replays.
+    assert [flag for _, flag in captured] == [True]
+    codes0 = graphed.state[graph_params[0][1]]["exp_avg_codes"]
+    assert any(g is captured[0][0] for g in functional._CAPTURED_GROUPS[codes0])
     for step in range(2, 5):
         _feed(eager_params, step)
         for (_, p), (_, q) in zip(eager_params, graph_params):

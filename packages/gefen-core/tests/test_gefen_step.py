@@ -189,6 +189,16 @@ def test_capturable_seeds_of_a_step_are_mixed_in_one_launch_with_the_host_values
     assert len(opt._salt_tensors) == 1  # kept for the same tensors' next step (a graph)
     opt._fill_device_seeds(torch.device("cpu"), slots)
     assert len(opt._salt_tensors) == 1
+    # Other lists of stepped tensors: the first few get a table, the rest mix their seeds per
+    # tensor (the same values), so the tables stay bounded.
+    from gefen_core.optimizer import _SALT_TABLES
+
+    for extra in range(_SALT_TABLES + 3):
+        more = [([None], 0, name_salt(f"t{extra}.{i}")) for i in range(3)]
+        opt._fill_device_seeds(torch.device("cpu"), more)
+        for seed_list, at, salt in more:
+            assert int(seed_list[at]) == mix_seed(opt._global_step, salt)
+    assert len(opt._salt_tensors) == _SALT_TABLES
 
 
 def test_stochastic_rounding_is_seeded_salted_and_differs_from_nearest() -> None:

@@ -226,7 +226,7 @@ def optimal_quantizer(points: ArrayLike, weights: ArrayLike,
     return torch.from_numpy(codewords), cost
 
 
-def optimal_codebook(counts: Tensor, device: torch.device | None = None) -> Tensor:
+def optimal_codebook(counts: Tensor, device: torch.device | str | None = None) -> Tensor:
     """The Gefen codebook learned from a 4096-bin histogram; fp32 ``[256]``.
 
     ALGORITHM.md §1.8.2-§1.8.3: the active bins (``count > 0``) give the points (their fp32
@@ -238,8 +238,9 @@ def optimal_codebook(counts: Tensor, device: torch.device | None = None) -> Tens
 
     On a CUDA ``device`` with Triton (and ``M >= 256``) the same recurrence runs there in one
     launch (``gefen_kernels.ops.quantizer_dp``): the same codewords bit for bit, without the
-    numpy solver's 70-110 ms of host time and without a host sync; the prefix sums are still
-    accumulated on the host, in the textbook's order.
+    numpy solver's 70-110 ms of host time, and the codebook is returned before the solve
+    completes (the counts are still read to the host, and the prefix sums accumulated there in
+    the textbook's order).
 
     Args:
         counts: integer tensor ``[4096]`` (int64 as produced by ``gefen_kernels.histogram``),
@@ -267,6 +268,7 @@ def optimal_codebook(counts: Tensor, device: torch.device | None = None) -> Tens
         raise ValueError("counts are all zero: no gradient was binned, nothing to learn")
     centers = histogram_bin_centers().numpy().astype(np.float64)
     x, w = centers[active], c[active].astype(np.float64)
+    device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda" and x.size >= NUM_CODEWORDS:
         import gefen_kernels
 

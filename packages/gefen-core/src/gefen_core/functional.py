@@ -443,30 +443,59 @@ def _grouped_capturable(
     captured graph replays. Bit-identical to the per-tensor capturable launches. Returns
     ``False`` having launched nothing where it does not apply: one tensor, a tensor the plans
     do not take, or, inside a capture, launch tables or gradient offsets that no eager step
-    of the same tensors built first (they are copied from the host)."""
+    of the same tensors built first (they are copied from the host). So a graph of the
+    optimizer step alone, captured after an eager step over the same gradient tensors (torch's
+    recipe), replays the grouped launches; a whole-network capture, whose gradients are
+    allocated inside the graph, replays the per-tensor launches (the same bits, more kernels).
+    The launch tables of a capture are kept as long as the first tensor's state
+    (``_CAPTURED_GROUPS``): the graph reads them at every replay."""
+    from gefen_kernels._triton import interpret_mode
+
     n = len(params)
-    if (n < 2 or seed_tensors is None or params[0].device.type != "cuda"
+    on_cuda = params[0].device.type == "cuda"
+    if (n < 2 or seed_tensors is None or not (on_cuda or interpret_mode())
             or (factored_stats is not None and any(s is not None for s in factored_stats))
             or not all(p.is_contiguous() for p in params)):
         return False
+    capturing = on_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing and not all(g.is_contiguous() for g in grads):
+        return False  # the contiguous copies are new tensors: their offsets cannot be known
     options = (beta1, beta2, eps, bool(maximize), bool(stochastic_round), True)
     plans = [_plan_for(params[i], exp_avg_codes[i], exp_avg_scales[i], exp_avg_sqs[i],
                        exp_avg_sq_rows[i], exp_avg_sq_cols[i], codebook, options)
              for i in range(n)]
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    capturing = torch.cuda.is_current_stream_capturing()
     groups = _step_groups(plans, grads, exp_avg_codes[0], build=not capturing)
     if groups is None:
         return False
     gptr = groups.device_offsets(grads)
     if gptr is None:
         return False
+    if capturing:
+        _keep_for_graphs(exp_avg_codes[0], groups)
     hyper = _device_hypers(state_steps, exp_avg_sq_steps, factored=groups.factored_mask,
                            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     seeds = torch.cat([s.reshape(1) for s in seed_tensors])
     groups.launch_staged(grads, groups.device_buffer(hyper, gptr, seeds), None, None,
                          device_scalars=True)
     return True
+
+
+# The StepGroups that captured graphs read, kept (weakly keyed) by the first tensor's codes:
+# the _GROUPS cache replaces an entry when a later step has another tensor list, which would
+# free the tables a graph still reads.
+_CAPTURED_GROUPS: Any = None
+
+
+def _keep_for_graphs(anchor: Tensor, groups: Any) -> None:
+    global _CAPTURED_GROUPS
+    if _CAPTURED_GROUPS is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _CAPTURED_GROUPS = WeakIdKeyDictionary()
+    kept = _CAPTURED_GROUPS.setdefault(anchor, [])
+    if not any(k is groups for k in kept):
+        kept.append(groups)
 
 
 def _host_rows(

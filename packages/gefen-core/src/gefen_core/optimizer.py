@@ -26,6 +26,10 @@ __all__ = ["Gefen"]
 # Odd 64-bit constant multiplying the global step before the per-tensor salt is mixed in (O7).
 _SEED_MIX = 0xD1B54A32D192ED03
 _MASK64 = (1 << 64) - 1
+# Salts tables kept per optimizer for capturable steps (Gefen._fill_device_seeds): a training
+# loop steps one or a few lists of tensors; where the list changes every step, the rest mix
+# their seeds per tensor.
+_SALT_TABLES = 8
 # Chunk of codes re-mapped at once on a codebook refresh: 2**23 elements, §1.17 / Appendix A.
 _REMAP_CHUNK = 1 << 23
 
@@ -239,8 +243,10 @@ class Gefen(Optimizer):
         self._lr_cache: dict[int, tuple[weakref.ref[Tensor], int, float]] = {}
         self._device_global_step: dict[torch.device, Tensor] = {}
         # Capturable steps: each device's per-tensor salts as one int64 tensor, so a step
-        # mixes every seed in one launch. Kept (never replaced) because a captured graph reads
-        # it at every replay; one entry per distinct list of stepped tensors.
+        # mixes every seed in one launch. An entry is never evicted, because a captured graph
+        # reads it at every replay; the first _SALT_TABLES lists of stepped tensors get one.
+        # (load_state_dict rebuilds these caches: a graph is recaptured after it, as the state
+        # tensors it reads are replaced too.)
         self._salt_tensors: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
         # The last full step's launches, repeated while nothing they depend on changes.
         self._steady: _steady_step.SteadyStep | None = None
@@ -636,11 +642,14 @@ class Gefen(Optimizer):
         key = (dev, salts)
         table = self._salt_tensors.get(key)
         capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if table is None and not capturing:
+        if table is None and not capturing and len(self._salt_tensors) < _SALT_TABLES:
             # A host copy cannot be captured: a graph captured without an eager step over the
-            # same tensors first (torch's recipe warms up) mixes the seeds one by one below.
-            table = torch.tensor([_to_signed64(s) for s in salts], dtype=torch.int64,
-                                 device=dev)
+            # same tensors first (torch's recipe warms up), or past the table limit, mixes the
+            # seeds one by one below (the same values, two launches per tensor).
+            host = torch.tensor([_to_signed64(s) for s in salts], dtype=torch.int64)
+            table = torch.empty_like(host, device=dev)
+            pinned = dev.type == "cuda"
+            table.copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
             self._salt_tensors[key] = table
         if table is not None:
             seeds = torch.bitwise_xor(t_dev * _to_signed64(_SEED_MIX), table)

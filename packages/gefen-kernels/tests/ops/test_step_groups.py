@@ -272,6 +272,36 @@ def test_launch_refuses_a_grouped_gradient_that_lost_its_alignment() -> None:
         assert torch.equal(it["param"], p)  # refused before anything was launched
 
 
+def test_device_buffer_equals_the_staged_buffer() -> None:
+    """A capturable step's buffer, assembled from device scalars and seeds, is the buffer
+    stage() copies from the host; the device offsets are kept per distinct offsets (a graph
+    reads the copy it was captured with), the first OFFSET_TABLES of them."""
+    from gefen_kernels.ops import step_groups as sg
+
+    dev = _device()
+    cb = make_codebook(2).to(dev)
+    items = _tensors(dev, seed=3)
+    plans = _plans(items, cb, maximize=False, stochastic_round=True)
+    grads = [it["grad"] for it in items]
+    groups = StepGroups(plans, grads)
+    assert groups.factored_mask.tolist() == [c[4] for c in CASES]
+    scalars = [_scalars(j, c[4]) for j, c in enumerate(CASES)]
+    seeds = [31 * j - 7 for j in range(len(CASES))]
+    hyper = torch.tensor([[lr, bc2, bc1, decay] for lr, bc1, bc2, decay in scalars],
+                         dtype=torch.float32, device=dev)
+    offsets = groups.device_offsets(grads)
+    assert offsets is not None and groups.device_offsets(grads) is offsets
+    staged = groups.stage(grads, scalars, seeds)
+    assembled = groups.device_buffer(hyper, offsets, torch.tensor(seeds, device=dev))
+    assert torch.equal(assembled, staged)
+    kept = []  # alive, so every copy of the gradients has its own addresses
+    for _ in range(sg.OFFSET_TABLES + 2):
+        kept.append([g.clone() for g in grads])
+        assert groups.device_offsets(kept[-1]) is not None
+    assert len(groups._offset_tables) == sg.OFFSET_TABLES
+    assert groups.device_offsets(grads) is offsets  # the first copy is never evicted
+
+
 def test_groups_hold_no_tensor() -> None:
     """The tables keep offsets and plans (weak references), never a tensor: the optimizer
     state a group was built for is freed with it, also when the group is cached under a weak

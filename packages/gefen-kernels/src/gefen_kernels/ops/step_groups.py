@@ -15,11 +15,13 @@ scratch): on an H200 the statistics of one bf16 ``[2048, 8192]`` gradient alone 
 (``docs/results/h200-2026-11-30-strips/``). Block-mode plans of those routes launch one by one.
 
 Per step, the scalars, seeds and gradient offsets travel in one host-to-device copy from
-pinned memory; nothing else is rebuilt while the plans, their tensors' addresses and the
-gradients' dtypes and alignment stay the same (:meth:`StepGroups.matches`). The tables hold
-offsets and plans (weak references), never a tensor of the optimizer (their own tensors are
-the tables and one 16-byte anchor per class that gradient offsets are measured from, so a
-grouped launch depends on no gradient's address but through the staged offsets).
+pinned memory (a ``capturable`` step, whose scalars and seeds are device tensors, assembles the
+same buffer on the device instead: :meth:`StepGroups.device_buffer`); nothing else is
+rebuilt while the plans, their tensors' addresses and the gradients' dtypes and alignment
+stay the same (:meth:`StepGroups.matches`). The tables hold offsets and plans (weak
+references), never a tensor of the optimizer (their own tensors are the tables and one
+16-byte anchor per class that gradient offsets are measured from, so a grouped launch depends
+on no gradient's address but through the staged offsets).
 :meth:`StepGroups.launch` stages from host memory and cannot be captured in a CUDA graph;
 :meth:`StepGroups.stage` outside a capture and :meth:`StepGroups.launch_staged` with
 ``device_scalars=True`` inside it can (the graph is then replayed after each new staging into
@@ -319,7 +321,9 @@ class StepGroups:
         # Per class, the address its gradients' offsets are measured from: a 16-byte tensor
         # of the gradients' dtype owned by the groups, not a gradient, so the launches depend
         # on no gradient's address but through the staged offsets (a captured graph stays
-        # valid when autograd re-allocates the gradients). The allocator aligns it like the
+        # valid when autograd re-allocates the gradients, if each step stages their offsets
+        # into the graph's buffer; a graph of device_offsets' copy needs the gradients where
+        # they were at capture). The allocator aligns it like the
         # gradients (16 bytes at least), so the kernels compile as with a gradient as base.
         self._grad_anchor: list[Tensor | None] = [None] * len(plans)
         for cls in self._classes:

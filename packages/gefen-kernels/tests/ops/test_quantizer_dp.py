@@ -24,6 +24,37 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _interpreter_loops_over_runtime_ints() -> bool:
+    """Whether this Triton's interpreter runs ``range`` over an int kernel argument, as the
+    kernel's layer and level loops do. Triton 3.3's wraps the argument in a one-element
+    array that numpy 2 refuses to convert to an int (the torch 2.7 floor's); 3.9's runs it.
+    Compiled kernels are unaffected."""
+    from gefen_kernels._triton import interpret_mode, jit, tl
+
+    if not interpret_mode():
+        return True
+
+    @jit
+    def probe(out_ptr, n):  # type: ignore[no-untyped-def]
+        acc = 0
+        for _ in range(0, n, 2):
+            acc += 1
+        tl.store(out_ptr, acc)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        probe[(1,)](out, 5)
+    except Exception:  # the interpreter's InterpreterError wrapping the TypeError
+        return False
+    return int(out) == 3
+
+
+runs_kernel = pytest.mark.skipif(
+    not _interpreter_loops_over_runtime_ints(),
+    reason="this Triton's interpreter cannot loop over an int kernel argument (Triton 3.3 "
+           "with numpy 2); the kernel is tested with the latest Triton and on the GPU")
+
+
 def _textbook(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float]:
     """The §1.8.3 recurrence, vectorised over ``i`` per (layer, j); O(k * M**2)."""
     m = x.size
@@ -132,6 +163,7 @@ SMALL = [(8, 2), (8, 3), (8, 5), (33, 2), (33, 3), (33, 5), (33, 16), (33, 32), 
          (100, 3), (100, 5), (100, 16)]
 
 
+@runs_kernel
 @pytest.mark.parametrize("kind", list(INSTANCES))
 @pytest.mark.parametrize("m,k", SMALL)
 def test_matches_textbook(kind: str, m: int, k: int) -> None:
@@ -139,6 +171,7 @@ def test_matches_textbook(kind: str, m: int, k: int) -> None:
     _check(*INSTANCES[kind](rng, m), k)
 
 
+@runs_kernel
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["grid_ties", "uniform_equal", "histogram"])
 def test_matches_textbook_many_layers(kind: str) -> None:
@@ -151,11 +184,13 @@ def test_matches_textbook_many_layers(kind: str) -> None:
 @pytest.mark.parametrize("k,kind", [(2, "random_float"), (3, "uniform_equal"), (5, "grid_ties"),
                                     (16, "symmetric"), (32, "histogram"),
                                     (32, "uniform_equal")])
+@runs_kernel
 def test_matches_textbook_300_points(k: int, kind: str) -> None:
     rng = np.random.default_rng(300 + k)
     _check(*INSTANCES[kind](rng, 300), k)
 
 
+@runs_kernel
 @pytest.mark.parametrize("m", [2, 8, 33])
 @pytest.mark.parametrize("kind", ["grid_ties", "uniform_equal", "random_float"])
 def test_as_many_codewords_as_points(m: int, kind: str) -> None:
@@ -167,6 +202,7 @@ def test_as_many_codewords_as_points(m: int, kind: str) -> None:
         _check(x, w, m - 1)  # R = 2: two levels, the top row bounded by the row below
 
 
+@runs_kernel
 @pytest.mark.slow
 def test_as_many_codewords_as_points_100() -> None:
     _check(*_symmetric(np.random.default_rng(5), 100), 100)
@@ -178,6 +214,7 @@ def test_as_many_codewords_as_points_100() -> None:
                                             (300, 5, "symmetric", 64),
                                             (300, 16, "histogram", 128),
                                             (33, 16, "random_float", 32)])
+@runs_kernel
 def test_lane_blocks_carry_across_passes(m: int, k: int, kind: str, block: int) -> None:
     # Narrow lane blocks: the rows of a level, its flat candidates and the last layer's row
     # take several passes, so the carries between passes (first flat index, running row

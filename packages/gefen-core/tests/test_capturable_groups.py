@@ -1,6 +1,7 @@
 """capturable=True steps in grouped launches (``functional._grouped_capturable``): the same bits
-as the per-tensor capturable launches. Runs the planned path on the CPU under the Triton
-interpreter; ``test_gefen_gpu.py`` checks it through the optimizer and a captured graph."""
+as the per-tensor capturable launches. Runs the planned path compiled on CUDA, or on the CPU under
+the Triton interpreter; ``test_gefen_gpu.py`` checks it through the optimizer and a captured
+graph."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ if not gefen_kernels.triton_available():
     pytest.skip("needs Triton", allow_module_level=True)
 from gefen_kernels._triton import interpret_mode  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not interpret_mode(),
-                                reason="the planned path runs on the CPU only in the interpreter")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEV == "cpu" and not interpret_mode(),
+    reason="without CUDA the planned path runs only in the interpreter (TRITON_INTERPRET=1)")
 
 # (shape, period, param dtype, grad dtype, factored): both modes, three dtypes, a gradient
 # dtype other than the parameter's.
@@ -46,7 +49,8 @@ def _state(seed: int) -> list[dict[str, Any]]:
             it["col"] = torch.rand(shape[1], generator=gen) * 1e-3
         else:
             it["sq"] = torch.rand(n // period, 1, generator=gen) * 1e-3
-        items.append(it)
+        items.append({k: v.to(DEV) if isinstance(v, torch.Tensor) else v
+                      for k, v in it.items()})
     return items
 
 
@@ -62,18 +66,19 @@ def _run(stochastic_round: bool, grouped: bool, monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(functional, "_grouped_capturable", spy)
     items = _state(100)
-    codebook = torch.linspace(-1.0, 1.0, 256).pow(3)
+    codebook = torch.linspace(-1.0, 1.0, 256, device=DEV).pow(3)
     for step in range(3):
         gen = torch.Generator().manual_seed(50 + step)
-        grads = [torch.randn(it["param"].shape, generator=gen).to(case[3])
+        grads = [torch.randn(it["param"].shape, generator=gen).to(DEV, case[3])
                  for it, case in zip(items, CASES)]
-        t = torch.tensor(10 + step, dtype=torch.int64)
+        t = torch.tensor(10 + step, dtype=torch.int64, device=DEV)
         seeds = [torch.bitwise_xor(t * 12345, 1000 + j).reshape(1) for j in range(len(items))]
         functional._planned_gefen(
             [i["param"] for i in items], grads, [i["codes"] for i in items],
             [i["scale"] for i in items], [i["sq"] for i in items], [i["row"] for i in items],
             [i["col"] for i in items], [i["step"] for i in items],
-            [i["sq_step"] for i in items], codebook=codebook, lr=torch.tensor(1e-2),
+            [i["sq_step"] for i in items], codebook=codebook,
+            lr=torch.tensor(1e-2, device=DEV),
             beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, maximize=False,
             stochastic_round=stochastic_round, seeds=None, seed_tensors=seeds,
             capturable=True)
@@ -99,6 +104,7 @@ def test_one_tensor_takes_its_own_launch() -> None:
     assert not functional._grouped_capturable(
         [it["param"]], [torch.zeros_like(it["param"])], [it["codes"]], [it["scale"]],
         [it["sq"]], [it["row"]], [it["col"]], [it["step"]], [it["sq_step"]],
-        [torch.zeros(1, dtype=torch.int64)], None, codebook=torch.linspace(-1, 1, 256),
+        [torch.zeros(1, dtype=torch.int64, device=DEV)], None,
+        codebook=torch.linspace(-1, 1, 256, device=DEV),
         lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, maximize=False,
         stochastic_round=False)

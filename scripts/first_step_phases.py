@@ -10,7 +10,10 @@ finiteness check, the period search, the histogram, the exact codebook solver, s
 the first update (plans and launches) and the steady-step cache. Each phase is timed from a
 device synchronisation to the next, so a phase owns the device work it queued; the sum is a
 little above the unsynchronised first step, printed beside it. ``--cprofile N`` then steps one
-more fresh optimizer under ``cProfile`` and prints its N most expensive functions (own time).
+more fresh optimizer under ``cProfile`` and prints its N most expensive functions (own time);
+``--kernels N`` steps one under ``torch.profiler`` and prints the N kernels with the most
+device time (the device's share of each phase, which the synchronised phase times mix with
+host time).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _timed(totals: dict[str, float], name: str, fn: Any) -> Any:
     return wrapper
 
 
-def _phases(model: str, repeats: int, top: int) -> None:
+def _phases(model: str, repeats: int, top: int, kernels: int) -> None:
     import gefen_core.codebook as codebook
     import gefen_core.optimizer as optimizer
     import gefen_kernels.ops as ops
@@ -105,6 +108,16 @@ def _phases(model: str, repeats: int, top: int) -> None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
         print(out.getvalue())
+    if kernels:
+        from torch.profiler import ProfilerActivity, profile
+
+        opt = Gefen(named, lr=1e-4, weight_decay=0.0)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kprof:
+            opt.step()
+            torch.cuda.synchronize()
+        print(kprof.key_averages().table(sort_by="self_device_time_total", row_limit=kernels,
+                                         max_name_column_width=60))
 
 
 def main() -> None:
@@ -113,9 +126,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also print the N functions with the most own time under cProfile")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also print the N kernels with the most device time "
+                             "(torch.profiler)")
     args = parser.parse_args()
     for model in args.models.split(","):
-        _phases(model.strip(), args.repeats, args.cprofile)
+        _phases(model.strip(), args.repeats, args.cprofile, args.kernels)
 
 
 if __name__ == "__main__":

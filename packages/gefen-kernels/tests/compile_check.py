@@ -17,7 +17,7 @@ Usage (from ``packages/gefen-kernels``)::
     python tests/compile_check.py                 # front end + TTIR/TTGIR passes (default)
     python tests/compile_check.py --stage cubin   # all the way to a cubin (needs ptxas)
     python tests/compile_check.py --resources     # cubin + registers, spills, occupancy
-    python tests/compile_check.py --kernel _quantizer_dp --stage ptx   # some kernels only
+    python tests/compile_check.py --kernel _dp_layer --stage ptx   # some kernels only
 
 ``--resources`` reads each cubin's resource usage with ``cuobjdump --dump-resource-usage``
 (shipped with Triton) and prints, per configuration, registers per thread, spill bytes and the

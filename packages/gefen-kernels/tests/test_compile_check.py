@@ -48,7 +48,8 @@ def test_every_kernel_compiles_for_sm90() -> None:
                    "_quantize_kernel", "_muon_tile_kernel", "_muon_loop_kernel",
                    "_muon_apply_kernel", "_period_prefix_kernel", "_period_offsets_kernel",
                    "_period_terms_kernel", "_period_carry_kernel", "_multi_prefix_kernel",
-                   "_multi_terms_kernel", "_multi_carry_kernel", "_quantizer_dp_kernel"):
+                   "_multi_terms_kernel", "_multi_carry_kernel", "_dp_first_layer_kernel",
+                   "_dp_layer_kernel", "_dp_last_layer_kernel"):
         assert kernel in report, f"{kernel} was never launched by the scenarios:\n{report}"
 
 

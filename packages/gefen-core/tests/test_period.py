@@ -182,9 +182,33 @@ def test_one_period_scores_call_and_one_sync(monkeypatch: pytest.MonkeyPatch) ->
     search_period(g, (48, 64), variant="log_contrast")
     search_period(g, (48, 64), variant="variance")
     assert len(calls) == 2
-    # Every candidate with >= 4 blocks is scored in the one call (and p = 1).
-    assert calls[0][0] == [[p for p in brute_divisors(3072) if 3072 // p >= 4]]
+    # Variant L scores, in the one call, exactly the candidates rules 2-3 read: every
+    # interior candidate above 8 (with >= 4 blocks) and its two neighbours.
+    cands = [p for p in brute_divisors(3072) if 3072 // p >= 4]
+    read = {cands[j + d] for j in range(1, len(cands) - 1) if cands[j] > 8 for d in (-1, 0, 1)}
+    assert calls[0][0] == [sorted(read)] and 1 not in read and 8 in read
     assert calls[1][0] == [[p for p in brute_divisors(3072) if p < 3072]]
+
+
+@pytest.mark.parametrize("n,scored", [(64, [1]), (11 * 13 * 4, None)])
+def test_log_contrast_scores_p1_only_where_needed(monkeypatch: pytest.MonkeyPatch, n: int,
+                                                  scored: list[int] | None) -> None:
+    # 64: candidates 1..16, no interior one above 8, so the period is 1 whatever the scores
+    # and p = 1 alone is scored (to refuse a non-finite gradient). 572 = 4 * 11 * 13: the
+    # first candidate above 8 (11) follows 4, so 4 is read as its neighbour; p = 1 is not.
+    calls = []
+    real = period_mod.multi_period_scores
+
+    def counting(grads, candidates, variant):
+        calls.append([c.tolist() for c in candidates])
+        return real(grads, candidates, variant)
+
+    monkeypatch.setattr(period_mod, "multi_period_scores", counting)
+    g = make_grad((n,), seed=2, kind="heavy")
+    assert search_period(g, (n,), fallback=False) == naive_period(g, (n,), "log_contrast",
+                                                                  fallback=False)
+    cands = [p for p in brute_divisors(n) if n // p >= 4]
+    assert calls == [[scored if scored is not None else cands[cands.index(4):]]]
 
 
 # ------------------------------------------------------------------------------------------
@@ -349,8 +373,11 @@ def test_numel_one_and_errors() -> None:
 @pytest.mark.parametrize("variant", ["log_contrast", "variance"])
 @pytest.mark.parametrize("n", [2, 3, 7, 64 * 512])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_gradient_is_refused(variant: str, n: int, bad: float) -> None:
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_non_finite_gradient_is_refused(variant: str, n: int, bad: float, where: str) -> None:
+    # At 64 * 512 Variant L does not score p = 1 (the smallest scored candidate is 8): the
+    # first and last blocks must still carry a non-finite value into a score.
     g = torch.randn(n)
-    g[n // 2] = bad
+    g[{"first": 0, "middle": n // 2, "last": n - 1}[where]] = bad
     with pytest.raises(ValueError, match="NaN or Inf"):
         search_period(g, (n,), variant=variant)

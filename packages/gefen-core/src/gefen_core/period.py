@@ -160,7 +160,7 @@ class _Plan:
     shape: tuple[int, ...]
     variant: str
     cands: list[int]        # the candidates the rules look at
-    scored: list[int]       # the candidates scored (log_contrast always scores p = 1)
+    scored: list[int]       # the candidates scored: a suffix of cands, or [1] (module notes)
 
 
 def _check_grad(grad: object, variant: str) -> None:
@@ -182,12 +182,27 @@ def _plan(grad: Tensor, shape: object, variant: str) -> _Plan:
     divisors = period_candidates(numel)
     if variant == "log_contrast":
         cands = [p for p in divisors if numel // p >= MIN_BLOCKS_LOG_CONTRAST]
-        # p = 1 is always scored: its score covers every element, so a non-finite gradient
-        # shows up even when no candidate has 4 blocks.
-        scored = cands if cands and cands[0] == 1 else [1] + cands
+        scored = _log_contrast_scored(cands)
     else:
         cands = scored = divisors
     return _Plan(numel, checked, variant, cands, scored)
+
+
+def _log_contrast_scored(cands: list[int]) -> list[int]:
+    """The candidates whose Variant L scores the rules read (§1.7.2 rules 2-3).
+
+    A peak is an interior candidate above ``MIN_PEAK_PERIOD`` compared with its two
+    neighbours; candidates ascend, so these form the suffix of ``cands`` that starts one
+    before the first candidate above 8. Scoring only it gives the same period: the others'
+    scores are never read. On the benchmark's Llama-3.2-1B shapes this skips ``p = 2`` and
+    ``4`` (and ``p = 1``, whose term costs the search kernel a second fp64 log per element),
+    about three quarters of the block ends the scores visit. With no possible peak the period
+    is 1 whatever the scores; ``p = 1`` alone is then scored, only to refuse a non-finite
+    gradient. Every scored candidate has at least 4 blocks covering every element, so a NaN or
+    Inf (or an fp32 square that overflows) makes some block mean and hence its score
+    non-finite: a suffix refuses the same gradients as the full list."""
+    first = next((j for j in range(1, len(cands) - 1) if cands[j] > MIN_PEAK_PERIOD), None)
+    return [1] if first is None else cands[first - 1:]
 
 
 def _decide(plan: _Plan, scores: list[float], fallback: bool) -> int:
@@ -199,8 +214,9 @@ def _decide(plan: _Plan, scores: list[float], fallback: bool) -> int:
             + (", or a value's square overflows fp32" if plan.variant == "log_contrast" else "")
             + "); the block period can only be learned from a finite gradient")
     if plan.variant == "log_contrast":
-        scores = scores[len(plan.scored) - len(plan.cands):]
-        period = _round_large_period(_log_contrast_choice(plan.cands, scores))
+        # The scored suffix (or [1], which cannot hold a peak: no interior candidate is > 8).
+        suffix = plan.cands[len(plan.cands) - len(plan.scored):] if plan.scored != [1] else []
+        period = _round_large_period(_log_contrast_choice(suffix, scores[:len(suffix)]))
     else:
         period = _variance_choice(plan.cands, scores)
     if period == 1 and fallback:

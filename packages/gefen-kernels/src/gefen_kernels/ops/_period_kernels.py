@@ -82,8 +82,8 @@ SCAN_LANES = 1024  # tile totals the offsets kernel scans per iteration
 
 # Columns of the int64 tables (the kernels index them with these literals).
 # Segment: gradient offset from its class base (16-byte units when aligned, else elements),
-# chunk length, whether an element precedes the chunk, first program in the prefix launch,
-# tile base in the round's scratch / 2, number of tiles.
+# chunk length, whether an element precedes the chunk (2: the tensor does not score p = 1),
+# first program in the prefix launch, tile base in the round's scratch / 2, number of tiles.
 SEG_COLS = 6
 # Pair: segment, slot, p, first block end (1..p), number of ends, first terms program in the
 # round, number of terms programs.
@@ -105,7 +105,9 @@ def _prefix_tile(g_ptr, pre_ptr, tot_ptr, one_ptr, pid, n, stride_a, num_tiles, 
     the tile-local *inclusive* prefix of each row (``A = 1``: ``x = ln(f32(g*g) + 1e-12)``;
     ``A = 2``: ``y = g^2`` in fp64 and ``y^2``). tot_ptr: fp64 ``[A, num_tiles]``, each tile's
     total. one_ptr: fp64 ``[num_tiles]`` (LOG_CONTRAST), the tile's ``sum |x_i - x_{i-1}|``
-    over its elements ``i`` that have a predecessor. Offsets are int64; padding lanes add 0.
+    over its elements ``i`` that have a predecessor; not written when ``has_prev`` is 2 (the
+    tensor does not score ``p = 1``: its second fp64 log per element is skipped). Offsets are
+    int64; padding lanes add 0.
     """
     offs = pid * TILE + tl.arange(0, TILE).to(tl.int64)
     mask = offs < n
@@ -115,12 +117,13 @@ def _prefix_tile(g_ptr, pre_ptr, tot_ptr, one_ptr, pid, n, stride_a, num_tiles, 
         x = tl.where(mask, x, 0.0)
         tl.store(pre_ptr + offs, tl.cumsum(x, axis=0), mask=mask)
         tl.store(tot_ptr + pid, tl.sum(x, axis=0))
-        # The predecessor of every element, transformed again (an fp64 log is cheaper than
-        # storing and re-reading 8 bytes per element).
-        has = mask & (offs + has_prev > 0)  # has_prev: 0 or 1
-        gp = tl.load(g_ptr + offs - 1, mask=has, other=0.0).to(tl.float32)
-        xp = tl.log((gp * gp).to(tl.float64) + 1e-12)
-        tl.store(one_ptr + pid, tl.sum(tl.where(has, tl.abs(x - xp), 0.0), axis=0))
+        if has_prev < 2:
+            # The predecessor of every element, transformed again (an fp64 log is cheaper
+            # than storing and re-reading 8 bytes per element).
+            has = mask & (offs + has_prev > 0)  # has_prev: 0 or 1
+            gp = tl.load(g_ptr + offs - 1, mask=has, other=0.0).to(tl.float32)
+            xp = tl.log((gp * gp).to(tl.float64) + 1e-12)
+            tl.store(one_ptr + pid, tl.sum(tl.where(has, tl.abs(x - xp), 0.0), axis=0))
     else:
         g64 = g.to(tl.float64)
         y = g64 * g64
@@ -387,7 +390,7 @@ def scores_triton(grad: Tensor, cands: list[int], variant: str, chunk: int) -> T
             lo = max(start - 1, 0)
             src = flat[lo:start + n].to(torch.float32)[start - lo:]
         _period_prefix_kernel[(num_tiles,)](src, pre, tot, one_parts, n,
-                                            stride_a, int(start > 0),
+                                            stride_a, int(start > 0) if has_one else 2,
                                             LOG_CONTRAST=log_contrast, TILE=TILE, num_warps=4,
                                             **LAUNCH_OPTIONS)
         _period_offsets_kernel[(rows,)](tot, off, seg_table, i, ROWS=rows, SB=SCAN_LANES,
@@ -625,8 +628,8 @@ def scores_triton_many(grads: Sequence[Tensor], cands_list: Sequence[list[int]],
             cls = classes[-1]
             n = min(chunk, numels[t] - start)
             tiles = triton.cdiv(n, TILE)
-            seg_rows += [(ptr - cls.ptr) // cls.unit, n, int(start > 0), cls.programs, tb // 2,
-                         tiles]
+            seg_rows += [(ptr - cls.ptr) // cls.unit, n, int(start > 0) if has_one[t] else 2,
+                         cls.programs, tb // 2, tiles]
             cls.programs += tiles
             map_size += tiles
             prefix_tiles.append(tiles)

@@ -236,11 +236,11 @@ def optimal_codebook(counts: Tensor, device: torch.device | str | None = None) -
     increasing (segment means are at least one bin width, ``2**-11``, apart), ``c[0] = -1`` and
     ``c[255] = +1``; with fewer, see :func:`optimal_quantizer` (open choice O5).
 
-    On a CUDA ``device`` with Triton (and ``M >= 256``) the same recurrence runs there in one
-    launch (``gefen_kernels.ops.quantizer_dp``): the same codewords bit for bit, without the
-    numpy solver's 70-110 ms of host time, and the codebook is returned before the solve
-    completes (the counts are still read to the host, and the prefix sums accumulated there in
-    the textbook's order).
+    On a CUDA ``device`` with Triton (and ``M >= 256``) the same recurrence runs there, one
+    launch per layer (``gefen_kernels.ops.quantizer_dp``): the same codewords bit for bit,
+    without the numpy solver's 40-110 ms of host time, and the codebook is returned before the
+    solve completes (the counts are still read to the host, and the prefix sums accumulated
+    there in the textbook's order).
 
     Args:
         counts: integer tensor ``[4096]`` (int64 as produced by ``gefen_kernels.histogram``),

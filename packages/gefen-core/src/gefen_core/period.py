@@ -1,7 +1,8 @@
 """Block-period search (ALGORITHM.md §1.7.2-§1.7.4, open choice O2, weakness §8 items 2-3).
 
-:func:`search_period` scores every candidate period of a gradient with the ``gefen_kernels``
-op ``multi_period_scores`` (one pass of chunked fp64 prefix sums over the tensor, no pass and no
+:func:`search_period` scores the candidate periods its rules read (all of them for Variant V,
+a suffix for Variant L: :func:`_log_contrast_scored`) with the ``gefen_kernels`` op
+``multi_period_scores`` (one pass of chunked fp64 prefix sums over the tensor, no pass and no
 host sync per candidate) and reads the scores back with a single device-to-host copy; the
 decision rules run on the host. :func:`search_periods` does the same for many tensors (a whole
 model's first step) with one call of the op and one device-to-host copy per device: on CUDA its

@@ -217,6 +217,32 @@ def test_non_finite_first_gradient_defers_codebook_learning() -> None:
     assert opt._codebook is not None and opt._global_step == 1
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_finiteness_check_finds_every_non_finite_value(device: str, bad: float) -> None:
+    # The check is a multi-tensor inf-norm per (device, dtype) on CUDA; its verdict must be
+    # isfinite().all() over every tensor, wherever the value sits, for every float dtype,
+    # with empty gradients in the list and finite values near each dtype's largest.
+    gen = torch.Generator().manual_seed(0)
+    grads = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for n in (0, 1, 4097, 100_003):
+            grads.append((torch.randn(n, generator=gen) * 100).to(device, dtype))
+        grads.append(torch.full((7,), torch.finfo(dtype).max, dtype=dtype, device=device))
+    assert Gefen._all_finite(grads)
+    for t, g in enumerate(grads):
+        for pos in sorted({0, g.numel() // 2, g.numel() - 1}) if g.numel() else ():
+            saved = g.view(-1)[pos].clone()
+            g.view(-1)[pos] = bad
+            assert not Gefen._all_finite(grads), (t, g.dtype, g.numel(), pos)
+            assert not all(bool(torch.isfinite(x).all()) for x in grads)  # the reference
+            g.view(-1)[pos] = saved
+    assert Gefen._all_finite(grads)
+
+
 class _GradOverride(torch.Tensor):
     """A parameter whose ``.grad`` reads a stored tensor, to feed the preflight gradients that
     autograd's own ``.grad`` setter would refuse (wrong dtype, shape or device)."""

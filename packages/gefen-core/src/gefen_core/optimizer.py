@@ -444,10 +444,19 @@ class Gefen(Optimizer):
 
     @staticmethod
     def _all_finite(grads: list[Tensor]) -> bool:
-        # One host read per device, not per tensor.
-        flags: dict[torch.device, list[Tensor]] = {}
+        # The max |g| of a gradient is finite exactly when every value is (a NaN propagates
+        # through the norm, an Inf is its own maximum), so one multi-tensor inf-norm per
+        # (device, dtype) replaces isfinite().all() per tensor, about five launches each (6-12
+        # ms of a Llama-3.2-1B-shaped first step on an H200). One host read per device. An
+        # empty gradient is finite, and has no inf-norm.
+        lists: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for g in grads:
-            flags.setdefault(g.device, []).append(torch.isfinite(g).all())
+            if g.numel():
+                lists.setdefault((g.device, g.dtype), []).append(g)
+        flags: dict[torch.device, list[Tensor]] = {}
+        for (device, _), members in lists.items():
+            norms = torch._foreach_norm(members, float("inf"))
+            flags.setdefault(device, []).append(torch.isfinite(torch.stack(norms)).all())
         return all(bool(torch.stack(f).all()) for f in flags.values())
 
     def _learn(self, entries: list[tuple[dict[str, Any], Tensor, Tensor, str]],

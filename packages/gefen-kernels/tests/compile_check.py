@@ -441,12 +441,9 @@ def scenarios() -> Iterator[Callable[[], None]]:
         def run_hist(gdt: torch.dtype = gdt) -> None:
             for n, period, route in ((64 * 48, 48, None), (3 * 5003, 5003, None),
                                      (2 * 4099, 4099, "split")):
-                try:
-                    histogram_triton(torch.zeros(n, dtype=gdt), period, _route=route)
-                except RuntimeError as err:
-                    # The kernels were recorded, not run: bincount then reads unwritten bins.
-                    if "bincount" not in str(err):
-                        raise
+                # The kernels are recorded, not run: histc counts unwritten bins (it ignores
+                # values outside its range, so no error).
+                histogram_triton(torch.zeros(n, dtype=gdt), period, _route=route)
         yield run_hist
     # The first step's codebook DP: the full-size problem (lane blocks of _BLOCK) and small
     # ones (narrow blocks; one row per layer when k == M).

@@ -104,7 +104,7 @@ def test_triton_split_route(period: int, split: int) -> None:
                                           (250, "split")])
 def test_triton_counts_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch, period: int,
                                       route: str) -> None:
-    # Several bincount chunks of whole blocks (one block per chunk when P exceeds the chunk),
+    # Several count chunks of whole blocks (one block per chunk when P exceeds the chunk),
     # with a non-finite block among them.
     # gefen_kernels.ops.histogram is also the name of the op function: import the module.
     monkeypatch.setattr(importlib.import_module("gefen_kernels.ops.histogram"), "_HIST_CHUNK",
@@ -119,9 +119,8 @@ def test_triton_counts_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch, period: i
     assert int(got.sum()) == 8 * period
 
 
-@pytest.mark.parametrize("chunk", [100, 1000, 1 << 25])
-def test_triton_counts_share_bincount_buffers(monkeypatch: pytest.MonkeyPatch,
-                                              chunk: int) -> None:
+@pytest.mark.parametrize("chunk", [100, 1000, 1 << 24])
+def test_triton_counts_share_bin_buffers(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
     # histogram_sum's batched Triton path: bins of several tensors (both routes, three
     # dtypes, a non-finite block, a block longer than the buffer) in shared buffers.
     mod = importlib.import_module("gefen_kernels.ops.histogram")
@@ -136,6 +135,39 @@ def test_triton_counts_share_bincount_buffers(monkeypatch: pytest.MonkeyPatch,
     got = mod._triton_counts(items, torch.device(_device()), split_elements=1024)
     want = sum(histogram_reference(g, p) for g, p in items)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_counts_with_and_without_deterministic_algorithms(deterministic: bool) -> None:
+    # Under torch.use_deterministic_algorithms the counts come from bincount (CUDA's histc
+    # would raise there); both must give the reference's counts, dropped elements included.
+    mod = importlib.import_module("gefen_kernels.ops.histogram")
+    gen = torch.Generator().manual_seed(7)
+    g = torch.randn(40, 64, generator=gen) * torch.exp(torch.randn(40, 1, generator=gen))
+    g[3, 5] = float("nan")
+    g[7] = 0.0  # a zero block: all in bin 2048
+    g = g.reshape(-1).to(_device())
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        got = mod._triton_counts([(g, 64)], torch.device(_device()))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.equal(got, histogram_reference(g, 64))
+    assert int(got.sum()) == 39 * 64 and int(got[2048]) >= 64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp32_counts_stay_exact_at_the_chunk_size() -> None:
+    # Every element of a zero gradient lands in bin 2048: a full chunk (2**24) and a block
+    # longer than the chunk (split in _count) put 2**24 counts into one fp32 bin, the largest
+    # count fp32 still holds exactly; adding one more would round.
+    mod = importlib.import_module("gefen_kernels.ops.histogram")
+    for n, period in (((1 << 25) + 2048, 2048), (3 << 24, 3 << 24)):
+        got = histogram_triton(torch.zeros(n, device="cuda", dtype=torch.bfloat16), period)
+        assert int(got[2048]) == n and int(got.sum()) == n, (n, period)
+    assert mod._HIST_CHUNK <= 1 << 24
 
 
 @pytest.mark.gpu

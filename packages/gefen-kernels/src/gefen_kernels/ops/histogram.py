@@ -86,28 +86,35 @@ def histogram_reference(grad: Tensor, period: int) -> Tensor:
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels: each element's bin index (tile route: whole blocks per program; split route:
-# long blocks), counted by torch.bincount
+# long blocks), counted by torch.histc
 # --------------------------------------------------------------------------------------------
 # Why not tl.histogram: with 4096 bins its lowering costs about 56 warp instructions per
 # element (a ballot per index bit, then every lane walks its 128 bins), which made the
 # histogram most of the first step's GPU time (H200, Llama-3.2-1B shapes: 172 ms).
-# torch.bincount counts in shared memory with integer atomics: exact, order-independent.
+# torch.histc counts in shared memory with atomics. Its input is the bin index as an fp32
+# integer (-1 for a dropped element, outside its range), binned over [0, 4096) into 4096 bins,
+# so bin b holds exactly the elements of index b. Its counts are fp32, exact because a chunk
+# has at most 2**24 elements, and order-independent. Unlike torch.bincount it takes no host
+# sync: bincount reads its input's min and max to the host to size its output, twice per
+# chunk, 98 syncs on the Llama-3.2-1B shapes. CUDA flags histc as nondeterministic (it cannot
+# know its float counts are integers), so under torch.use_deterministic_algorithms the counts
+# come from bincount instead; the counts are the same.
 
 _HIST_TILE = 2048  # elements per program (tile route) / per iteration (split route)
 _HIST_TILE_MAX_PERIOD = 4096
 _HIST_SPLIT = 16384  # elements of one block per program (split route)
-_HIST_CHUNK = 1 << 25  # elements of bin indices per bincount (int16: 64 MiB)
+_HIST_CHUNK = 1 << 24  # bin indices per count (fp32: 64 MiB; fp32 counts exact up to 2**24)
 
 
 @jit
 def _bin_index(g, amax, valid, NUM_BINS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """int16 bin of fp32 ``g`` normalised by ``amax`` (broadcastable); ``NUM_BINS`` (the
-    overflow bin, dropped) where not ``valid``."""
+    """Bin of fp32 ``g`` normalised by ``amax`` (broadcastable), as an fp32 integer; ``-1``
+    (dropped) where not ``valid``."""
     positive = amax > 0
     z = tl.where(positive, tl.math.div_rn(g, tl.where(positive, amax, 1.0)), 0.0)
     idx = tl.floor((z + 1.0) * (NUM_BINS // 2))
-    idx = tl.minimum(tl.maximum(idx, 0.0), NUM_BINS - 1.0).to(tl.int32)
-    return tl.where(valid, idx, NUM_BINS).to(tl.int16)
+    idx = tl.minimum(tl.maximum(idx, 0.0), NUM_BINS - 1.0)
+    return tl.where(valid, idx, -1.0)
 
 
 @jit
@@ -125,7 +132,7 @@ def _not_finite(x):
 def _histogram_tile_kernel(g_ptr, idx_ptr, num_blocks, period, BPP: tl.constexpr,  # type: ignore[no-untyped-def]
                            P2: tl.constexpr, NUM_BINS: tl.constexpr):
     """Tile route: ``BPP`` whole blocks (``[BPP, P2]``, ``P2`` = next pow2 >= period) per
-    program; g_ptr fp32/bf16/fp16 ``[N]``; idx_ptr int16 ``[N]``, each element's bin."""
+    program; g_ptr fp32/bf16/fp16 ``[N]``; idx_ptr fp32 ``[N]``, each element's bin."""
     pid = tl.program_id(0).to(tl.int64)
     blocks = pid * BPP + tl.arange(0, BPP).to(tl.int64)
     cols = tl.arange(0, P2).to(tl.int64)
@@ -202,13 +209,13 @@ def _triton_counts(items: Sequence[tuple[Tensor, int]], device: torch.device, *,
                    route: str | None = None, split_elements: int = _HIST_SPLIT) -> Tensor:
     """Summed counts of checked, contiguous, non-empty ``(grad, period)`` pairs on one device.
 
-    The bins of whole blocks (one block at least) go into a shared int16 buffer of up to
-    ``_HIST_CHUNK`` elements, and ``torch.bincount`` counts each filled buffer: its two host
-    syncs (the range check: min and max) come per buffer, not per tensor.
+    The bins of whole blocks (one block at least) go into a shared fp32 buffer of up to
+    ``_HIST_CHUNK`` elements, and :func:`_count` counts each filled buffer, without a host
+    sync.
     """
     counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device)
     total = sum(g.numel() for g, _ in items)
-    buf = torch.empty(min(total, _HIST_CHUNK), dtype=torch.int16, device=device)
+    buf = torch.empty(min(total, _HIST_CHUNK), dtype=torch.float32, device=device)
     used = 0
     for grad, period in items:
         if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -222,21 +229,28 @@ def _triton_counts(items: Sequence[tuple[Tensor, int]], device: torch.device, *,
             n = nb * period
             if used + n > buf.numel():
                 if used:
-                    counts += _bincount(buf[:used])
+                    counts += _count(buf[:used])
                     used = 0
                 if n > buf.numel():  # one block longer than the buffer
-                    buf = torch.empty(n, dtype=torch.int16, device=device)
+                    buf = torch.empty(n, dtype=torch.float32, device=device)
             _index_chunk(flat[first * period:first * period + n], buf[used:used + n], nb,
                          period, chosen, split_elements)
             used += n
     if used:
-        counts += _bincount(buf[:used])
+        counts += _count(buf[:used])
     return counts
 
 
-def _bincount(bins: Tensor) -> Tensor:
-    """int64 ``[4096]`` counts of int16 ``bins`` (the overflow bin ``4096`` dropped)."""
-    return torch.bincount(bins, minlength=HISTOGRAM_BINS + 1)[:HISTOGRAM_BINS]
+def _count(bins: Tensor) -> Tensor:
+    """int64 ``[4096]`` counts of the fp32 bin indices ``bins`` (``-1`` dropped)."""
+    if bins.numel() > 1 << 24:
+        # One block longer than the buffer: fp32 counts would stop being exact.
+        return sum((_count(part) for part in bins.split(1 << 24)),
+                   torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=bins.device))
+    if torch.are_deterministic_algorithms_enabled():
+        shifted = bins.to(torch.int64) + 1  # -1 -> 0, dropped below
+        return torch.bincount(shifted, minlength=HISTOGRAM_BINS + 1)[1:]
+    return torch.histc(bins, bins=HISTOGRAM_BINS, min=0, max=HISTOGRAM_BINS).to(torch.int64)
 
 
 @on_tensor_device
@@ -245,8 +259,8 @@ def histogram_triton(grad: Tensor, period: int, *, _route: str | None = None,
     """Triton twin of :func:`histogram_reference` (same signature, identical counts).
 
     Whole blocks of at most ``_HIST_CHUNK`` elements (or one block) at a time: a kernel writes
-    each element's int16 bin and ``torch.bincount`` counts them (two host syncs per chunk, for
-    its range check).
+    each element's bin and ``torch.histc`` counts them (no host sync; see the kernels'
+    comment).
 
     Raises:
         ImportError: Triton is not installed. TypeError, ValueError: as the reference, plus
@@ -291,9 +305,8 @@ def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
     The codebook pass of a whole model (ALGORITHM.md §1.8.1-§1.8.2): each gradient's counts are
     added into one int64 accumulator per device (exact, order-independent integer sums) and each
     accumulator is copied to the host once. On the Triton path a device's contiguous gradients
-    share int16 bin buffers of up to 32M elements, and ``torch.bincount`` adds two host syncs
-    per buffer (its range check): a model's pass costs a few syncs per device, not two per
-    tensor.
+    share fp32 bin buffers of up to 16M elements, counted without a host sync: a model's pass
+    costs one sync per device.
 
     Args:
         grads: float tensors (any float dtype and device; a non-contiguous one is copied once by
@@ -324,7 +337,7 @@ def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
         except (TypeError, ValueError) as err:
             raise type(err)(f"grads[{idx}]: {err}") from err
     acc: dict[torch.device, Tensor] = {}
-    # The Triton path's tensors of each device share bincount buffers (_triton_counts);
+    # The Triton path's tensors of each device share bin buffers (_triton_counts);
     # the others go through the op one by one.
     batched: dict[torch.device, list[tuple[Tensor, int]]] = {}
     for grad, period, ref in zip(grads, periods, refs):

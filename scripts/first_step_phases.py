@@ -11,6 +11,7 @@ the first update (plans and launches) and the steady-step cache. Each phase is t
 device synchronisation to the next, so a phase owns the device work it queued; the sum is a
 little above the unsynchronised first step, printed beside it. ``--cprofile N`` then steps one
 more fresh optimizer under ``cProfile`` and prints its N most expensive functions (own time);
+``--callers REGEX`` adds who called the matching functions (the host's blocking reads);
 ``--kernels N`` steps one under ``torch.profiler`` and prints the N kernels with the most
 device time (the device's share of each phase, which the synchronised phase times mix with
 host time).
@@ -44,7 +45,7 @@ def _timed(totals: dict[str, float], name: str, fn: Any) -> Any:
     return wrapper
 
 
-def _phases(model: str, repeats: int, top: int, kernels: int) -> None:
+def _phases(model: str, repeats: int, top: int, kernels: int, callers: str) -> None:
     import gefen_core.codebook as codebook
     import gefen_core.optimizer as optimizer
     import gefen_kernels.ops as ops
@@ -106,7 +107,10 @@ def _phases(model: str, repeats: int, top: int, kernels: int) -> None:
         torch.cuda.synchronize()
         prof.disable()
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+        stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
+        stats.print_stats(top)
+        if callers:
+            stats.print_callers(callers)
         print(out.getvalue())
     if kernels:
         from torch.profiler import ProfilerActivity, profile
@@ -126,12 +130,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also print the N functions with the most own time under cProfile")
+    parser.add_argument("--callers", default="", metavar="REGEX",
+                        help="with --cprofile, also print who called the functions matching "
+                             "REGEX (e.g. the blocking reads: 'tolist|method .to. ')")
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="also print the N kernels with the most device time "
                              "(torch.profiler)")
     args = parser.parse_args()
     for model in args.models.split(","):
-        _phases(model.strip(), args.repeats, args.cprofile, args.kernels)
+        _phases(model.strip(), args.repeats, args.cprofile, args.kernels, args.callers)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,24 @@ def test_fp32_counts_stay_exact_at_the_chunk_size() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_counts_take_no_host_sync() -> None:
+    # The counts stay on the device (the caller reads them once per device): no kernel or
+    # count of the Triton path may synchronise, over several chunks and both routes.
+    mod = importlib.import_module("gefen_kernels.ops.histogram")
+    items = [(torch.randn(3 << 20, device="cuda", dtype=torch.bfloat16), 768),
+             (torch.randn(4 * 20000, device="cuda"), 20000)]
+    want = sum(histogram_reference(g, p) for g, p in items)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = mod._triton_counts(items, torch.device("cuda"), split_elements=4096)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_histogram_sum_batches_cuda_tensors_gpu() -> None:
     grads = [torch.randn(n, device="cuda").to(dt) for n, dt in
              ((768 * 2304, torch.bfloat16), (768, torch.float32), (50257 * 768, torch.bfloat16),

@@ -5,9 +5,11 @@
 The issue's first-step target (period search + codebook + first update, ≤ 100 ms) is a wall
 time, mostly host time. For each model-shaped bf16 parameter set (``gefen_bench.param_sets``,
 the ``gefen-bench step`` gradients) this steps ``--repeats`` fresh optimizers once over the
-same gradients, after one that loads every kernel, and prints the phases of the last: the
-finiteness check, the period search, the histogram, the exact codebook solver, state creation,
-the first update (plans and launches) and the steady-step cache. Each phase is timed from a
+same gradients, after one that loads every kernel, then as many again, each after
+``torch.cuda.empty_cache()`` (the allocator's ``cudaMalloc`` calls are paid again, as in a
+fresh process). It prints the phases of one more: the finiteness check, the period search,
+the histogram, the exact codebook solver, state creation, the first update (plans and
+launches) and the steady-step cache. Each phase is timed from a
 device synchronisation to the next, so a phase owns the device work it queued; the sum is a
 little above the unsynchronised first step, printed beside it. ``--cprofile N`` then steps one
 more fresh optimizer under ``cProfile`` and prints its N most expensive functions (own time);
@@ -63,6 +65,18 @@ def _phases(model: str, repeats: int, top: int, kernels: int, callers: str) -> N
         torch.cuda.synchronize()
         plain.append((time.perf_counter() - t0) * 1e3)
         del opt
+    # The same with the caching allocator emptied first: the state's (and the scratch's)
+    # cudaMalloc calls are paid again, as in a fresh process, with every kernel still loaded.
+    cold = []
+    for _ in range(repeats):
+        opt = Gefen(named, lr=1e-4, weight_decay=0.0)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize()
+        cold.append((time.perf_counter() - t0) * 1e3)
+        del opt
     totals: dict[str, float] = defaultdict(float)
     patches = [
         (Gefen, "_all_finite", "finiteness check", True),
@@ -92,6 +106,8 @@ def _phases(model: str, repeats: int, top: int, kernels: int, callers: str) -> N
             setattr(owner, attr, fn)
     print(f"\n=== {model}: first step of fresh optimizers, kernels loaded: "
           + " / ".join(f"{t:.1f}" for t in plain[1:]) + " ms (unsynchronised)")
+    print("the same after torch.cuda.empty_cache() (the allocator's cudaMalloc calls again): "
+          + " / ".join(f"{t:.1f}" for t in cold) + " ms")
     print(f"with a sync around each phase: {total:.1f} ms")
     accounted = 0.0
     for label, seconds in totals.items():

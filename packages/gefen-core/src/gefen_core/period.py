@@ -1,13 +1,14 @@
 """Block-period search (ALGORITHM.md §1.7.2-§1.7.4, open choice O2, weakness §8 items 2-3).
 
-:func:`search_period` scores the candidate periods its rules read (all of them for Variant V,
-a suffix for Variant L: :func:`_log_contrast_scored`) with the ``gefen_kernels`` op
-``multi_period_scores`` (one pass of chunked fp64 prefix sums over the tensor, no pass and no
-host sync per candidate) and reads the scores back with a single device-to-host copy; the
-decision rules run on the host. :func:`search_periods` does the same for many tensors (a whole
-model's first step) with one call of the op and one device-to-host copy per device: on CUDA its
-Triton path scores all of a device's tensors in a number of launches that follows their total
-size, not their number.
+:func:`search_period` scores the candidate periods its rules read with the ``gefen_kernels``
+op ``multi_period_scores`` (one pass of chunked fp64 prefix sums over the tensor, no pass and
+no host sync per candidate) and reads the scores back with a single device-to-host copy; the
+decision rules run on the host. Variant V reads every candidate's score. Variant L reads the
+suffix its peak rule looks at, or scores ``p = 1`` alone when no peak is possible, only to
+refuse a non-finite gradient (:func:`_log_contrast_scored`). :func:`search_periods` does the
+same for many tensors (a whole model's first step) with one call of the op and one
+device-to-host copy per device: on CUDA its Triton path scores all of a device's tensors in a
+number of launches that follows their total size, not their number.
 
 Determinism (§1.7.6, §1.15): the scores are computed with fixed-order reductions on every
 backend (the op has no atomics), so there is no separate deterministic mode: the same gradient on
@@ -195,13 +196,13 @@ def _log_contrast_scored(cands: list[int]) -> list[int]:
     A peak is an interior candidate above ``MIN_PEAK_PERIOD`` compared with its two
     neighbours; candidates ascend, so these form the suffix of ``cands`` that starts one
     before the first candidate above 8. Scoring only it gives the same period: the others'
-    scores are never read. On the benchmark's Llama-3.2-1B shapes this skips ``p = 2`` and
-    ``4`` (and ``p = 1``, whose term costs the search kernel a second fp64 log per element),
-    about three quarters of the block ends the scores visit. With no possible peak the period
-    is 1 whatever the scores; ``p = 1`` alone is then scored, only to refuse a non-finite
-    gradient. Every scored candidate has at least 4 blocks covering every element, so a NaN or
-    Inf (or an fp32 square that overflows) makes some block mean and hence its score
-    non-finite: a suffix refuses the same gradients as the full list."""
+    scores are never read. On the benchmark's Llama-3.2-1B shapes this skips ``p = 1, 2, 4``
+    (and ``3, 6`` on the embedding and head), about three quarters of the block ends the scores
+    visit; ``p = 1``'s term costs the search kernel a second fp64 log per element. With no
+    possible peak the period is 1 whatever the scores; ``p = 1`` alone is then scored, only to
+    refuse a non-finite gradient. Refusal is unchanged: a candidate of the suffix has at least
+    4 blocks, and ``p = 1`` at least 2, and the blocks cover every element. So a NaN or Inf
+    (or an fp32 square that overflows) makes some block mean, hence the score, non-finite."""
     first = next((j for j in range(1, len(cands) - 1) if cands[j] > MIN_PEAK_PERIOD), None)
     return [1] if first is None else cands[first - 1:]
 

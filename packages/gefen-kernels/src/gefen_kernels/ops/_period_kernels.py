@@ -403,7 +403,8 @@ def scores_triton(grad: Tensor, cands: list[int], variant: str, chunk: int) -> T
                                                KB=ENDS_PER_PROGRAM,
                                                KP2=triton.next_power_of_2(k), num_warps=4,
                                                **LAUNCH_OPTIONS)
-        _period_carry_kernel[(k + 1,)](*args, acc, one_parts, one_acc, n, k, num_parts,
+        # Program k carries p = 1, only when it is scored (one_parts is unwritten otherwise).
+        _period_carry_kernel[(k + int(has_one),)](*args, acc, one_parts, one_acc, n, k, num_parts,
                                        stride_a, num_tiles, LOG_CONTRAST=log_contrast,
                                        TILE=TILE, RB=CARRY_LANES, num_warps=4,
                                        **LAUNCH_OPTIONS)

@@ -41,11 +41,16 @@ textbook (``_LayeredDP._values``): three prefix subtractions, ``s1 * s1``, the d
 lowers to ``div.rn.f64`` (correctly rounded; Triton's approximate division is fp32-only) and
 every launch passes ``enable_fp_fusion=False``, so no multiply-add is contracted into an fma.
 Within a window the leftmost minimum is the textbook's choice, and fact 2 puts the textbook's
-argmin in the window (up to near-ties decided by rounding, as in the numpy solver: see its
-docstring). ``tests/ops/test_quantizer_dp.py`` compares codewords and cost with the textbook
-recurrence (and, on a GPU, with ``gefen_core``'s solver at ``M = 4096``, ``K = 256``).
+argmin in the window. Fact 2 holds in exact arithmetic; the computed costs carry rounding.
+So this kernel and the textbook can choose differently where two candidates are equal up to
+rounding, or where the weights span about ten orders of magnitude or more (the free cost's
+rounding, about ``W * 2**-52``, then exceeds the differences between costs). There the numpy
+solver, which also uses row monotonicity, can differ from both.
+``tests/ops/test_quantizer_dp.py`` compares codewords and cost with the textbook recurrence
+on exact ties, integer counts and float weights (and, on a GPU, with ``gefen_core``'s solver
+at ``M = 4096``, ``K = 256``).
 
-Cost: for ``M = 4096``, ``K = 256``, 253 layer launches of about 120 programs, most of them a
+Cost: for ``M = 4096``, ``K = 256``, 254 layer launches of about 120 programs, most of them a
 single ``[32, 64]`` tile after the first few layers: bound by launch latency, not arithmetic.
 """
 
@@ -278,7 +283,7 @@ def optimal_quantizer_dp_triton(prefix: Tensor, k: int, *,
         raise ValueError(f"prefix holds M = {m} points, fewer than k = {k} codewords (handle "
                          "M < k on the host, open choice O5)")
     rows = m - k + 1
-    if k * rows >= 2**31 or m + rows >= 2**30:
+    if k * rows >= 2**31 or 3 * (m + 1) >= 2**31:
         raise ValueError(f"M = {m}, k = {k} is too large for the kernel's int32 indices")
     require_triton("the Triton quantizer DP")
     check_device_for_triton(prefix)

@@ -404,10 +404,9 @@ def scores_triton(grad: Tensor, cands: list[int], variant: str, chunk: int) -> T
                                                KP2=triton.next_power_of_2(k), num_warps=4,
                                                **LAUNCH_OPTIONS)
         # Program k carries p = 1, only when it is scored (one_parts is unwritten otherwise).
-        _period_carry_kernel[(k + int(has_one),)](*args, acc, one_parts, one_acc, n, k, num_parts,
-                                       stride_a, num_tiles, LOG_CONTRAST=log_contrast,
-                                       TILE=TILE, RB=CARRY_LANES, num_warps=4,
-                                       **LAUNCH_OPTIONS)
+        _period_carry_kernel[(k + int(has_one),)](
+            *args, acc, one_parts, one_acc, n, k, num_parts, stride_a, num_tiles,
+            LOG_CONTRAST=log_contrast, TILE=TILE, RB=CARRY_LANES, num_warps=4, **LAUNCH_OPTIONS)
     if k:
         # Two fp64 tensors: `int / tensor` would multiply by the reciprocal (not exact).
         p64 = cand_dev.to(torch.float64)

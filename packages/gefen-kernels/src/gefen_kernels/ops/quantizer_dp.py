@@ -135,7 +135,8 @@ def _dp_layer_kernel(pref_ptr, d_ptr, arg_ptr, m, k, rows,  # type: ignore[no-un
     best_i = lo
     cols = tl.arange(0, BC)
     for i0 in range(first, last + 1, BC):
-        i = i0 + cols[None, :]
+        # Full [BR, BC]: Triton 3.3's loads do not broadcast a pointer up to its mask.
+        i = tl.broadcast_to(i0 + cols[None, :], [BR, BC])
         inside = ok[:, None] & (i >= lo[:, None]) & (i <= j[:, None])
         v = _free_values(pref_ptr, dprev, stride, wj[:, None], s1j[:, None], s2j[:, None], i,
                          inside)

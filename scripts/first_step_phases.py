@@ -56,27 +56,20 @@ def _phases(model: str, repeats: int, top: int, kernels: int, callers: str) -> N
 
     dev = torch.device("cuda")
     named = build_param_set(shapes_for(model, "full"), device=dev, dtype=torch.bfloat16)
-    plain = []
-    for _ in range(repeats + 1):
+    def first_step_ms(empty_cache: bool) -> float:
         opt = Gefen(named, lr=1e-4, weight_decay=0.0)
         torch.cuda.synchronize()
+        if empty_cache:
+            torch.cuda.empty_cache()
         t0 = time.perf_counter()
         opt.step()
         torch.cuda.synchronize()
-        plain.append((time.perf_counter() - t0) * 1e3)
-        del opt
+        return (time.perf_counter() - t0) * 1e3
+
+    plain = [first_step_ms(False) for _ in range(repeats + 1)]
     # The same with the caching allocator emptied first: the state's (and the scratch's)
     # cudaMalloc calls are paid again, as in a fresh process, with every kernel still loaded.
-    cold = []
-    for _ in range(repeats):
-        opt = Gefen(named, lr=1e-4, weight_decay=0.0)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        t0 = time.perf_counter()
-        opt.step()
-        torch.cuda.synchronize()
-        cold.append((time.perf_counter() - t0) * 1e3)
-        del opt
+    cold = [first_step_ms(True) for _ in range(repeats)]
     totals: dict[str, float] = defaultdict(float)
     patches = [
         (Gefen, "_all_finite", "finiteness check", True),

@@ -445,8 +445,8 @@ def scenarios() -> Iterator[Callable[[], None]]:
                 # values outside its range, so no error).
                 histogram_triton(torch.zeros(n, dtype=gdt), period, _route=route)
         yield run_hist
-    # The first step's codebook DP: the full-size problem (lane blocks of _BLOCK) and small
-    # ones (narrow blocks; one row per layer when k == M).
+    # The first step's codebook DP: the full-size problem ([32, 64] tiles) and small ones
+    # (one row per layer when k == M).
     def run_quantizer_dp() -> None:
         from gefen_kernels.ops.quantizer_dp import optimal_quantizer_dp_triton, quantizer_prefix
 

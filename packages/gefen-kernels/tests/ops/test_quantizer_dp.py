@@ -26,7 +26,7 @@ def _device() -> str:
 
 def _interpreter_loops_over_runtime_ints() -> bool:
     """Whether this Triton's interpreter runs ``range`` over an int kernel argument, as the
-    kernel's layer and level loops do. Triton 3.3's wraps the argument in a one-element
+    kernels' tile and last-layer loops do. Triton 3.3's wraps the argument in a one-element
     array that numpy 2 refuses to convert to an int (the torch 2.7 floor's); 3.9's runs it.
     Compiled kernels are unaffected."""
     from gefen_kernels._triton import interpret_mode, jit, tl
@@ -179,7 +179,8 @@ def test_matches_textbook_many_layers(kind: str) -> None:
     _check(*INSTANCES[kind](rng, 100), 32)
 
 
-# M = 300 (R up to 298: nine levels per layer), one instance kind per k.
+# M = 300 (R up to 298 rows per layer, windows over several column tiles), one instance kind
+# per k.
 @pytest.mark.slow
 @pytest.mark.parametrize("k,kind", [(2, "random_float"), (3, "uniform_equal"), (5, "grid_ties"),
                                     (16, "symmetric"), (32, "histogram"),
@@ -199,7 +200,7 @@ def test_as_many_codewords_as_points(m: int, kind: str) -> None:
     x, w = INSTANCES[kind](rng, m)
     _check(x, w, m)
     if m > 2:
-        _check(x, w, m - 1)  # R = 2: two levels, the top row bounded by the row below
+        _check(x, w, m - 1)  # R = 2: the top row bounded by the previous layer's last row
 
 
 @runs_kernel

@@ -151,10 +151,17 @@ VARIANTS["interleaved"] = (
         ),
     ],
 )
+# The lookup before 2026-12-01: the head word by a random global load, where production now
+# gathers the staged section from shared memory (_decision_table.staged_section).
+VARIANTS["head_lookup"] = (
+    "candidate: the decision table's head word loaded from global memory (before 2026-12-01)",
+    [(_TH, "    if STEPS == -2 and GATHER:\n", "    if STEPS == -99 and GATHER:\n")],
+)
 # Variants that take the decision table in another layout: variant -> (table -> its table).
 TABLE_LAYOUTS: dict[str, Any] = {
-    # head and pair of bucket b at 2b and 2b + 1
-    "interleaved": lambda t: t.view(2, -1).t().contiguous().reshape(-1),
+    # head and pair of bucket b at 2b and 2b + 1 (the staged section, if any, after them)
+    "interleaved": lambda t: torch.cat(
+        [t[:8192].view(2, -1).t().contiguous().reshape(-1), t[8192:]]),
 }
 VARIANTS["base_again"] = ("candidate: production timed a second time (the spread)", [])
 VARIANTS["all_ablations"] = (
@@ -162,7 +169,7 @@ VARIANTS["all_ablations"] = (
     [
         p
         for name, (_, ps) in VARIANTS.items()
-        if name not in ("base", "load_cb", "pair_load", "interleaved")
+        if name not in ("base", "load_cb", "pair_load", "interleaved", "head_lookup")
         for p in ps
     ],
 )
@@ -287,7 +294,7 @@ class Case:
         args = self.args()
         layout = getattr(module, "_ABL_TABLE_LAYOUT", None)
         if layout is not None:  # the variant's decision-table layout (TABLE_LAYOUTS)
-            assert self.plan._consts["STEPS"] == -1, "a layout applies to the decision table"
+            assert self.plan._consts["STEPS"] in (-1, -2), "a layout applies to the decision table"
             if layout not in self._tables:
                 self._tables[layout] = layout(self.plan._table)
             args = (*args[:9], self._tables[layout], *args[10:])
@@ -386,7 +393,8 @@ def main() -> None:
         names = [name for name in names if modules[name] is not None]
         print(
             f"\ncodebook: the learned one of _learned_codebook(); kernel table STEPS "
-            f"{kernel_table(_learned_codebook().to(DEVICE))[1]} (-1: decision table)"
+            f"{kernel_table(_learned_codebook().to(DEVICE))[1]} (-1: decision table, -2: with its "
+            f"staged section)"
         )
         n = ROWS * NCOLS
         src = torch.empty(n * 4, dtype=torch.uint8, device=DEVICE)

@@ -363,25 +363,77 @@ def _hard_values(table: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
     ])
 
 
+def _decode_staged(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's staged lookup, written out in torch from the documented layout."""
+    b = torch.floor((x + 1.0) * 2048.0).nan_to_num(nan=0.0).clamp(0, 4095).long()
+    q_lo = table[2 * 4096:2 * 4096 + 512].contiguous().view(torch.uint8).long()[b]
+    thresholds = table[2 * 4096 + 512:].contiguous().view(torch.float32)
+    return q_lo + (x > thresholds[q_lo]).long()
+
+
 @pytest.mark.parametrize("which", list(_decision_codebooks()))
 def test_decision_table_matches_the_reference(which: str) -> None:
-    from gefen_kernels.ops._decision_table import DIRECT_STEPS
+    from gefen_kernels.ops._decision_table import DIRECT_STEPS, STAGED_STEPS
     from gefen_kernels.ops._search_table import kernel_table
     from gefen_kernels.ops.quantize import _launch_quantize
 
     dev = _device()
     cb = _decision_codebooks()[which].to(dev)
     table, steps = kernel_table(cb)
-    assert steps == DIRECT_STEPS and table.shape == (2 * 4096,) and table.dtype == torch.int64
+    # A repeated codeword makes a jump skip a code: no staged section (the head words stay).
+    staged = which != "duplicates"
+    assert steps == (STAGED_STEPS if staged else DIRECT_STEPS)
+    assert table.shape == (2 * 4096 + 640 * staged,) and table.dtype == torch.int64
     x = _hard_values(table, cb.cpu())
     want = quantize_nearest_reference(x, cb.cpu()).long()
     q, codeword = _decode(table.cpu(), x)
     assert torch.equal(q, want)
     assert torch.equal(codeword.view(torch.int32), cb.cpu()[want].view(torch.int32))
+    if staged:
+        assert torch.equal(_decode_staged(table.cpu(), x), want)
     got = _launch_quantize(x.to(dev), cb, 0, 0, False)
     assert torch.equal(got.cpu().long(), want)
     # Stochastic rounding still gets the bracket table.
     assert kernel_table(cb, stochastic=True)[1] >= 1
+
+
+def test_staged_lookup_reads_only_its_section() -> None:
+    """Where the kernels gather from shared memory (Triton >= 3.6) they read the staged
+    section and not the head words; elsewhere the head words and not the staged section.
+    Overwriting the part that must not be read with garbage leaves every code unchanged."""
+    from gefen_kernels._triton import gather_supported
+    from gefen_kernels.ops import _search_table
+    from gefen_kernels.ops._decision_table import STAGED_STEPS
+    from gefen_kernels.ops.quantize import _launch_quantize
+
+    dev = _device()
+    cb = _learned_like_codebook().to(dev)
+    table = _search_table.kernel_table(cb)[0].clone()
+    x = _hard_values(table, cb.cpu())
+    want = quantize_nearest_reference(x, cb.cpu()).long()
+    garbage = torch.randint(-2**62, 2**62, (table.numel(),), generator=torch.Generator()
+                            .manual_seed(3)).to(dev)
+    unread = slice(0, 2 * 4096) if gather_supported() else slice(2 * 4096, None)
+    table[unread] = garbage[unread]
+    # The launcher takes its table from the cache: put the damaged one there.
+    _search_table._NEAREST_CACHE[cb] = (cb._version, table, STAGED_STEPS)
+    try:
+        got = _launch_quantize(x.to(dev), cb, 0, 0, False)
+    finally:
+        del _search_table._NEAREST_CACHE[cb]
+    assert torch.equal(got.cpu().long(), want)
+
+
+def test_staged_section_refuses_a_jump_over_a_code() -> None:
+    from gefen_kernels.ops._decision_table import build_decision_table, staged_section
+
+    cb = _learned_like_codebook()
+    assert staged_section(build_decision_table(cb, device="cpu")) is not None
+    # Three equal codewords: just above them the lower bound is 122 and its left neighbour
+    # 121 wins, so code 120 is never nearest and one bucket jumps from 119 to 121.
+    cb[120:122] = cb[119]
+    table = build_decision_table(cb, device="cpu")
+    assert table is not None and staged_section(table) is None
 
 
 @pytest.mark.parametrize("which", list(_decision_codebooks()))
@@ -433,9 +485,9 @@ def test_bucket_key_ranges_partition_the_floats() -> None:
 
 
 def test_make_codebook_covers_both_nearest_paths() -> None:
-    from gefen_kernels.ops._decision_table import DIRECT_STEPS
+    from gefen_kernels.ops._decision_table import DIRECT_STEPS, STAGED_STEPS
     from gefen_kernels.ops._search_table import kernel_table
 
     for seed in range(6):
         steps = kernel_table(make_codebook(seed))[1]
-        assert (steps == DIRECT_STEPS) == (seed % 2 == 0), (seed, steps)
+        assert (steps in (DIRECT_STEPS, STAGED_STEPS)) == (seed % 2 == 0), (seed, steps)

@@ -52,6 +52,11 @@ from torch import Tensor
 from .._numerics import HISTOGRAM_BINS
 
 DIRECT_STEPS = -1  # the kernels' STEPS value for "use the decision table"
+STAGED_STEPS = -2  # the decision table followed by its staged section
+# Where the staged section starts, in int64 words of the table: the 4096 lower codes as
+# bytes (512 words), then the 256 fp32 thresholds (128 words).
+STAGED_CODES = 2 * HISTOGRAM_BINS
+STAGED_THRESHOLDS = STAGED_CODES + HISTOGRAM_BINS // 8
 # Keys either side of the codewords' midpoint searched first for a bucket's jump (the jump
 # of the fp32 nearest rule lies within a few ulps of it; a miss falls back to the bucket).
 _WINDOW = 4
@@ -128,9 +133,10 @@ def _code_above(codebook: Tensor, q_lo: Tensor, key: Tensor) -> Tensor:
     return nearest_codes(_from_key(key), codebook) > q_lo
 
 
-def build_decision_table(codebook: Tensor) -> Tensor | None:
+def build_decision_table(codebook: Tensor, *, device: torch.device | str | None = None,
+                         ) -> Tensor | None:
     """The int64 ``[2 * 4096]`` table of the module docstring (head words, then pair words) on
-    ``codebook``'s device, or
+    ``device`` (default: ``codebook``'s), or
     ``None`` where some bucket holds two jumps (then the bracket search is used).
 
     Built on the CPU from a copy of the codebook (one device-to-host copy of 1 KiB).
@@ -157,9 +163,43 @@ def build_decision_table(codebook: Tensor) -> Tensor | None:
     head = t_bits | (q_lo << 32) | (q_hi << 40)
     c_bits = cb.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     pair = c_bits[q_lo] | (c_bits[q_hi] << 32)
-    return torch.cat([head, pair]).to(codebook.device)
+    return torch.cat([head, pair]).to(codebook.device if device is None else device)
 
 
 def _above_or_past(cb: Tensor, q_lo: Tensor, hi: Tensor, key: Tensor) -> Tensor:
     past = key > hi
     return past | _code_above(cb, q_lo, torch.minimum(key, hi))
+
+
+def staged_section(table: Tensor) -> Tensor | None:
+    """The staged section of a CPU decision table: int64 ``[640]``, or ``None`` where some
+    bucket's jump skips a code (``q_hi != q_lo + 1``: a repeated codeword).
+
+    Words ``[0, 512)`` hold ``q_lo`` of every bucket as bytes (bucket ``b`` is byte ``b``,
+    little-endian), words ``[512, 640)`` the fp32 threshold ``t[i]`` of every code ``i``: the
+    largest fp32 value whose nearest code is at most ``i`` where that value lies inside a
+    bucket (the bucket's own threshold), ``+inf`` otherwise. Because each bucket jumps at most
+    once and only to the next code, ``q = q_lo[b] + (x > t[q_lo[b]])`` is the head word's rule
+    for every ``x`` of bucket ``b``; the build checks it at every bucket's last value.
+
+    Both parts, 5 KiB, are small enough for a program to copy into shared memory once per
+    tile and look up there (``tl.gather``), where the head word is a random 8-byte load from
+    a 32 KiB table: about one L1 wavefront per element, which made the L1 the step tile
+    kernel's busiest unit (90 % in block mode, ``docs/results/h200-2026-11-30-strips/
+    call7_ncu_tile.txt``).
+    """
+    head = table[:HISTOGRAM_BINS]
+    t_bits = (head & 0xFFFFFFFF).to(torch.int32)  # wraps to the fp32 bit pattern
+    q_lo, q_hi = (head >> 32) & 255, (head >> 40) & 255
+    jump = q_hi != q_lo
+    if bool((jump & (q_hi != q_lo + 1)).any()):
+        return None
+    thresholds = torch.full((256,), float("inf"))
+    thresholds.view(torch.int32)[q_lo[jump]] = t_bits[jump]
+    # A bucket without a jump must stay at q_lo up to its last value.
+    _, hi = bucket_key_ranges()
+    calm = ~jump
+    if not bool((thresholds[q_lo[calm]] >= _from_key(hi[calm])).all()):
+        return None
+    codes = q_lo.to(torch.uint8).view(torch.int64)
+    return torch.cat([codes, thresholds.view(torch.int64)])

@@ -94,17 +94,23 @@ def build_kernel_table(codebook: Tensor) -> tuple[Tensor, int]:
 
 def _build_nearest_table(codebook: Tensor) -> tuple[Tensor, int]:
     # Imported here: the decision table is built with _quant_ref, which imports this module.
-    from ._decision_table import DIRECT_STEPS, build_decision_table
+    from ._decision_table import DIRECT_STEPS, STAGED_STEPS, build_decision_table, staged_section
 
-    table = build_decision_table(codebook)
-    return (table, DIRECT_STEPS) if table is not None else build_kernel_table(codebook)
+    table = build_decision_table(codebook, device="cpu")
+    if table is None:
+        return build_kernel_table(codebook)
+    staged = staged_section(table)
+    if staged is None:
+        return table.to(codebook.device), DIRECT_STEPS
+    return torch.cat([table, staged]).to(codebook.device), STAGED_STEPS
 
 
 def kernel_table(codebook: Tensor, *, stochastic: bool = False) -> tuple[Tensor, int]:
     """Cached kernel table for ``codebook``: ``(table, STEPS)``.
 
     Nearest rounding (``stochastic=False``) gets the decision table of
-    :mod:`._decision_table` (``STEPS = DIRECT_STEPS``) where the codebook allows one, else the
+    :mod:`._decision_table` where the codebook allows one, with its staged section appended
+    (``STEPS = STAGED_STEPS``) where that exists too, else alone (``DIRECT_STEPS``); else the
     packed search table; stochastic rounding needs the bracket and always gets the packed
     search table. ``(codebook, 0)`` means "use the full search".
     """

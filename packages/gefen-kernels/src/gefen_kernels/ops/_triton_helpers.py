@@ -20,6 +20,10 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 PAIRS_OFFSET = tl.constexpr(4097) if tl is not None else 4097
 # First pair word of the decision table (_decision_table: 4096 head words, then the pairs).
 DECISION_PAIRS = tl.constexpr(4096) if tl is not None else 4096
+# The decision table's staged section (_decision_table.STAGED_*), in 32-bit words: the lower
+# codes as bytes, then the fp32 thresholds.
+STAGED_CODES32 = tl.constexpr(4 * 4096) if tl is not None else 4 * 4096
+STAGED_THRESHOLDS32 = tl.constexpr(4 * 4096 + 1024) if tl is not None else 4 * 4096 + 1024
 # Whether kernels run in Triton's interpreter (fixed at import, as Triton itself does).
 INTERPRETED = tl.constexpr(interpret_mode()) if tl is not None else interpret_mode()
 # Whether tl_codewords gathers from registers (the Triton versions that compile it).
@@ -34,6 +38,20 @@ def tl_momentum_ema(beta1, one_minus_beta1, scale, codeword, grad):
 
 
 @jit
+def _gather(src, index):  # type: ignore[no-untyped-def]
+    """``src[index]`` for a 1-D register tensor ``src`` and a 1-D or 2-D ``index`` (Triton
+    lowers it through shared memory)."""
+    if len(index.shape) == 2:
+        # Triton 3.6 cannot lower a 2-D gather from a broadcast [rows, n] source (the
+        # assertion gather_supported names); the flattened gather compiles.
+        flat = tl.reshape(index, (index.shape[0] * index.shape[1],))
+        out = tl.reshape(tl.gather(src, flat, 0), (index.shape[0], index.shape[1]))
+    else:
+        out = tl.gather(src, index, 0)
+    return out
+
+
+@jit
 def tl_codewords(cb_ptr, code):  # type: ignore[no-untyped-def]
     """``c[code]`` for an int32 ``code`` tensor (1-D or 2-D, values in ``[0, 255]``).
 
@@ -43,14 +61,7 @@ def tl_codewords(cb_ptr, code):  # type: ignore[no-untyped-def]
     replaced the momentum's codeword load (``docs/results/h200-2026-11-29-run6/
     ablation_codewords.txt``)."""
     if GATHER:
-        cb = tl.load(cb_ptr + tl.arange(0, 256))
-        if len(code.shape) == 2:
-            # Triton 3.6 cannot lower a 2-D gather from a broadcast [rows, 256] source (the
-            # assertion gather_supported names); the flattened gather compiles.
-            flat = tl.reshape(code, (code.shape[0] * code.shape[1],))
-            out = tl.reshape(tl.gather(cb, flat, 0), (code.shape[0], code.shape[1]))
-        else:
-            out = tl.gather(cb, code, 0)
+        out = _gather(tl.load(cb_ptr + tl.arange(0, 256)), code)
     else:
         out = tl.load(cb_ptr + code)
     return out
@@ -137,7 +148,10 @@ def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
     """Nearest codeword of fp32 ``x``: ``(index (int32), codeword (fp32))``; ties to the lower
     index; NaN -> 0. The codeword is ``c[index]``, bit for bit.
 
-    ``STEPS < 0``: ``table_ptr`` is the decision table of
+    ``STEPS = -2`` where :data:`GATHER` holds: the staged section of the decision table
+    (:func:`gefen_kernels.ops._decision_table.staged_section`), looked up in shared memory.
+
+    ``STEPS < 0`` otherwise: ``table_ptr`` is the decision table of
     :mod:`gefen_kernels.ops._decision_table` (NaN falls in bucket 0, whose lower code is 0).
     The code comes from the bucket's head word. Where :data:`GATHER` holds, the codeword is
     then gathered from a register copy of the codebook (:func:`tl_codewords`, as for the
@@ -151,7 +165,19 @@ def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
 
     ``STEPS >= 0``: the bracket search of :func:`tl_codeword_bracket`.
     """
-    if STEPS < 0:
+    if STEPS == -2 and GATHER:
+        # The staged section: the lower code of x's bucket and that code's threshold, both
+        # gathered from shared-memory copies (5 KiB per program) instead of a random global
+        # load of the head word (_decision_table.staged_section).
+        b = _bucket(x)
+        words = tl.load(table_ptr.to(tl.pointer_type(tl.int32)) + STAGED_CODES32
+                        + tl.arange(0, 1024))
+        q_lo = (_gather(words, b >> 2) >> ((b & 3) * 8)) & 255
+        thresholds = tl.load(table_ptr.to(tl.pointer_type(tl.float32)) + STAGED_THRESHOLDS32
+                             + tl.arange(0, 256))
+        q = q_lo + (x > _gather(thresholds, q_lo)).to(tl.int32)
+        cq = tl_codewords(cb_ptr, q)
+    elif STEPS < 0:
         b = _bucket(x)
         head = tl.load(table_ptr + b)
         up = x > _low_float(head)

@@ -35,6 +35,8 @@ Non-finite policy (open choice O9, the same on every path):
   parameters NaN (``Inf * 0``). No path maps a NaN to code 0 with a finite scale (the reference
   kernel did: a silent large negative momentum).
 * Quantising a NaN gives code 0 on every path (its scale already carries the NaN).
+* A NaN's sign and payload are not specified: GPU arithmetic returns ``0x7fffffff``, a
+  kernel's NaN constant is ``0x7fc00000``, and the paths are not required to agree on them.
 * The histogram skips every element of a block whose max-abs is not finite, so the counts sum
   to fewer than ``N``; the optimizer checks first-step gradients for non-finite values and
   defers codebook learning (O9) rather than relying on the histogram.

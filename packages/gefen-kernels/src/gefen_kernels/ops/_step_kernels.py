@@ -216,6 +216,30 @@ def _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, nco
 
 
 @jit
+def _row_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, blocks, bmask, cols, offs, mask,  # type: ignore[no-untyped-def]
+                       period, ncols, ncols_magic, ncols_shift, bc2, bc1, eps,
+                       OFFS64: tl.constexpr):
+    """:func:`_update_inputs` in factored mode for a tile of whole blocks that each lie in one
+    row, starting at a column that is a multiple of 16 (:func:`blocks_in_rows`): one row
+    statistic per block, and the block's column statistics contiguous, so they load as
+    16-byte vectors. The per-element form gathers ``k`` with scalar loads that span 16 cache
+    lines per warp instruction (the tile holds 16 consecutive elements per thread). The same
+    values, so the same bits; on the H200 the factored tile kernel took 13-16 % less time
+    (bf16 [8192, 8192], P = 2048 and 256: ``docs/results/h200-2026-12-01-session16/
+    call3_ablation.txt``, candidate ``k_rows``)."""
+    brow, bcol = _row_col(blocks * period, ncols, ncols_magic, ncols_shift, OFFS64)
+    bcol = tl.multiple_of(bcol, 16)
+    r = tl.load(row_ptr + brow, mask=bmask, other=0.0)[:, None]
+    k = tl.load(col_ptr + (bcol[:, None] + cols[None, :]), mask=mask, other=0.0)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    big_v = (r * k) * tl.load(inv_rbar_ptr)
+    h = tl.math.sqrt_rn(big_v * bc2)
+    h = h + eps
+    sigma = tl.math.div_rn(1.0, h) * bc1
+    return p, big_v, sigma
+
+
+@jit
 def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma_block, p, big_v,  # type: ignore[no-untyped-def]
            sigma_elem, lr, decay, seed_u, FACTORED: tl.constexpr, STOCHASTIC: tl.constexpr,
            STEPS: tl.constexpr):
@@ -251,10 +275,11 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                  table_ptr, num_blocks, period, ncols, ncols_magic, ncols_shift, b1, omb1, b2,
                  omb2, eps, lr, bc2, bc1, decay, seed_u, BPP: tl.constexpr, P2: tl.constexpr,
                  FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 STEPS: tl.constexpr, OFFS64: tl.constexpr):
+                 STEPS: tl.constexpr, OFFS64: tl.constexpr, IN_ROW: tl.constexpr):
     """The tile route's work for program ``pid`` of one tensor: blocks
     ``[pid * BPP, (pid + 1) * BPP)`` as a ``[BPP, P2]`` register tile. ``OFFS64``: int64
-    offsets, else int32 (``pid``, ``num_blocks`` and ``period`` must then be int32)."""
+    offsets, else int32 (``pid``, ``num_blocks`` and ``period`` must then be int32).
+    ``IN_ROW``: :func:`blocks_in_rows` holds (factored mode only)."""
     period = _index(period, OFFS64)
     num_blocks = _index(num_blocks, OFFS64)
     blocks = _index(pid, OFFS64) * BPP + _index(tl.arange(0, BPP), OFFS64)
@@ -264,9 +289,15 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
     offs = blocks[:, None] * period + cols[None, :]
     s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
     g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
-    p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
-                                          ncols, ncols_magic, ncols_shift, bc2, bc1, eps,
-                                          FACTORED, OFFS64)
+    if FACTORED and IN_ROW:
+        p, big_v, sigma_elem = _row_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, blocks,
+                                                  bmask, cols, offs, mask, period, ncols,
+                                                  ncols_magic, ncols_shift, bc2, bc1, eps,
+                                                  OFFS64)
+    else:
+        p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
+                                              ncols, ncols_magic, ncols_shift, bc2, bc1, eps,
+                                              FACTORED, OFFS64)
     s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
     sigma = s_new  # unused in factored mode
     if not FACTORED:
@@ -287,14 +318,15 @@ def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                       ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed,
                       BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
                       MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
-                      SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr):
+                      SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr,
+                      IN_ROW: tl.constexpr):
     """Tile route: program ``pid`` owns blocks ``[pid * BPP, (pid + 1) * BPP)``."""
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
     _tile_blocks(tl.program_id(0), p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr,
                  col_ptr, inv_rbar_ptr, cb_ptr, table_ptr, num_blocks, period, ncols, ncols_magic,
                  ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay,
                  _load_seed(seed_ptr, seed, SEED_PTR), BPP,
-                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64)
+                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64, IN_ROW)
 
 
 @jit(do_not_specialize=["seed", "num_blocks", "ncols_magic", "ncols_shift"])
@@ -395,6 +427,13 @@ def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr
                sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
 
 
+def blocks_in_rows(factored: bool, period: int, ncols: int) -> bool:
+    """The tile route's ``IN_ROW``: factored mode, and every ``[period]`` block lies inside one
+    row starting at a column that is a multiple of 16 (the period is a multiple of 16 and
+    divides the column count)."""
+    return factored and period % 16 == 0 and ncols % period == 0
+
+
 def tile_warps(elements: int) -> int:
     """Warps of a tile-route program holding ``elements`` elements. Four for the usual
     2048-element tile: on an H200 (scripts/kernel_sweep.py,
@@ -465,6 +504,7 @@ def launch_step(
             hyper_ptr, seed_ptr, num_blocks, period, ncols, magic, shift, b1, f32(1.0 - b1), b2,
             f32(1.0 - b2), f32(eps), scal["lr"], scal["bc2"], scal["bc1"], scal["decay"],
             to_signed64(seed), BPP=bpp, P2=p2, **common, **flags,
+            IN_ROW=blocks_in_rows(factored, period, ncols),
             num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
     elif route == "loop":
         _step_loop_kernel[(num_blocks,)](
@@ -507,4 +547,5 @@ def launch_step(
         raise ValueError(f"unknown route {route!r}; expected 'tile', 'loop' or 'split'")
 
 
-__all__ = ["choose_route", "denominator", "launch_step", "ncols_divider", "tile_warps"]
+__all__ = ["blocks_in_rows", "choose_route", "denominator", "launch_step", "ncols_divider",
+           "tile_warps"]

@@ -34,6 +34,7 @@ from ._step_kernels import (
     _next_pow2,
     _step_loop_kernel,
     _step_tile_kernel,
+    blocks_in_rows,
     choose_route,
     launch_step,
     ncols_divider,
@@ -115,7 +116,8 @@ class StepPlan:
             bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
             self._kernel = _step_tile_kernel
             self._grid: tuple[int, ...] | None = (-(-num_blocks // bpp),)
-            consts.update(BPP=bpp, P2=p2, num_warps=tile_warps(bpp * p2))
+            consts.update(BPP=bpp, P2=p2, num_warps=tile_warps(bpp * p2),
+                          IN_ROW=blocks_in_rows(self.factored, period, self.ncols))
         elif self.route == "loop":
             self._kernel = _step_loop_kernel
             self._grid = (num_blocks,)

@@ -41,7 +41,6 @@ same parameter set the halves cover the same tensors.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -193,10 +192,6 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
     timer = _Timer(device)
     first_peak: int | None = None
     first_kept: int | None = None
-    # Collected before each timed first step, so that the garbage of what came before (the
-    # previous model's tensors, the dropped optimizer below, which holds reference cycles) is
-    # not collected inside the timed step.
-    gc.collect()
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -209,7 +204,6 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
     # every kernel variant this model needs is loaded now, so this one is the step's own work
     # (period search, codebook, first update). The optimizer timed from here on is this one.
     opts[:] = []
-    gc.collect()
     opts.extend(registry.build(name, named, lr=1e-4, weight_decay=0.0, device=device))
     synchronize(device)
     warm_first_s, _ = timer(step)

@@ -164,6 +164,12 @@ VARIANTS["flat_k"] = (
     "candidate (factored): row and column statistics gathered per element (before 2026-12-01)",
     [(_SK, "    if FACTORED and IN_ROW:\n", "    if FACTORED and IN_ROW == 2:\n")],
 )
+# The per-element column statistics without the 16-element alignment hints (production
+# before 2026-12-01, where blocks cross rows and period and column count are multiples of 16).
+VARIANTS["no_cols16"] = (
+    "candidate (factored): per-element column statistics without alignment hints (before)",
+    [(_SK, "        if COLS16:\n", "        if COLS16 == 2:\n")],
+)
 # Variants that take the decision table in another layout: variant -> (table -> its table).
 TABLE_LAYOUTS: dict[str, Any] = {
     # head and pair of bucket b at 2b and 2b + 1 (the staged section, if any, after them)
@@ -176,7 +182,8 @@ VARIANTS["all_ablations"] = (
     [
         p
         for name, (_, ps) in VARIANTS.items()
-        if name not in ("base", "load_cb", "pair_load", "interleaved", "head_lookup", "flat_k")
+        if name not in ("base", "load_cb", "pair_load", "interleaved", "head_lookup", "flat_k",
+                        "no_cols16")
         for p in ps
     ],
 )
@@ -366,6 +373,10 @@ def _periods() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--periods", default="2048,256",
+                        help="block periods of the cases (each must divide rows x 8192)")
+    parser.add_argument("--rows", type=int, default=8192,
+                        help="rows of the [rows, 8192] parameter (8190: periods 1536 and 1152)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--no-periods", action="store_true")
     parser.add_argument(
@@ -374,12 +385,14 @@ def main() -> None:
         help="one production launch per case and nothing else (run under ncu)",
     )
     parser.add_argument(
-        "--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 with 8 rows"
+        "--device", default="cuda",
+        help="cpu: a smoke run under TRITON_INTERPRET=1 (8 rows unless --rows says otherwise)"
     )
     args = parser.parse_args()
     global DEVICE, ROWS
     DEVICE = torch.device(args.device)
-    if DEVICE.type != "cuda":
+    ROWS = args.rows
+    if DEVICE.type != "cuda" and ROWS == 8192:
         ROWS = 8
     if args.ncu:
         prod = importlib.import_module("gefen_kernels.ops._step_kernels")
@@ -411,7 +424,7 @@ def main() -> None:
         print(f"\ncopy of 8 B/param for {n} elements: {copy_ms:.3f} ms")
         rows = []
         for factored in (True, False):
-            for period in (2048, 256):
+            for period in (int(p) for p in args.periods.split(",")):
                 case = Case(period, factored)
                 mode = "factored" if factored else "block"
                 tag = (

@@ -164,12 +164,6 @@ VARIANTS["flat_k"] = (
     "candidate (factored): row and column statistics gathered per element (before 2026-12-01)",
     [(_SK, "    if FACTORED and IN_ROW:\n", "    if FACTORED and IN_ROW == 2:\n")],
 )
-# The per-element column statistics without the 16-element alignment hints (production
-# before 2026-12-01, where blocks cross rows and period and column count are multiples of 16).
-VARIANTS["no_cols16"] = (
-    "candidate (factored): per-element column statistics without alignment hints (before)",
-    [(_SK, "        if COLS16:\n", "        if COLS16 == 2:\n")],
-)
 # Variants that take the decision table in another layout: variant -> (table -> its table).
 TABLE_LAYOUTS: dict[str, Any] = {
     # head and pair of bucket b at 2b and 2b + 1 (the staged section, if any, after them)
@@ -182,8 +176,7 @@ VARIANTS["all_ablations"] = (
     [
         p
         for name, (_, ps) in VARIANTS.items()
-        if name not in ("base", "load_cb", "pair_load", "interleaved", "head_lookup", "flat_k",
-                        "no_cols16")
+        if name not in ("base", "load_cb", "pair_load", "interleaved", "head_lookup", "flat_k")
         for p in ps
     ],
 )

@@ -281,21 +281,18 @@ def _pair(param, grad, st, cb, *, route=None, split_elements=16384, loop_tile=20
     return tri_p
 
 
-# The tile route's three forms of the statistics: (64, 96, 32), (12, 64, 16) and (8, 48, 48)
-# one row statistic per block and vector column loads (IN_ROW); (16, 1024, 2048) and
-# (10, 48, 32) (blocks across rows, 16-element column groups aligned) per element with
-# alignment hints (COLS16); (6, 80, 40) (a period not a multiple of 16) and others per element.
+# (64, 96, 32), (12, 64, 16) and (8, 48, 48) take the tile route's per-block row statistic
+# and vector column loads (IN_ROW); (6, 80, 40) (a period not a multiple of 16) and
+# (16, 1024, 2048) (blocks across rows) the per-element form.
 PARITY = [(1, 1, 1), (7, 13, 7), (64, 96, 32), (1, 4097, 4097), (4097, 1, 1), (31, 33, 3),
-          (16, 1024, 2048), (5, 300, 1500), (12, 64, 16), (8, 48, 48), (6, 80, 40),
-          (10, 48, 32)]
+          (16, 1024, 2048), (5, 300, 1500), (12, 64, 16), (8, 48, 48), (6, 80, 40)]
 
 
-def test_parity_shapes_cover_every_column_form() -> None:
-    from gefen_kernels.ops._step_kernels import blocks_in_rows, column_groups_aligned
+def test_parity_shapes_cover_both_column_forms() -> None:
+    from gefen_kernels.ops._step_kernels import blocks_in_rows
 
     tile = [(c, p) for _, c, p in PARITY if p <= 4096]
-    forms = {(blocks_in_rows(True, p, c), column_groups_aligned(True, p, c)) for c, p in tile}
-    assert forms == {(True, False), (False, True), (False, False)}
+    assert {blocks_in_rows(True, p, c) for c, p in tile} == {True, False}
 
 
 @pytest.mark.parametrize("rows,cols,period", PARITY)

@@ -197,22 +197,15 @@ def _stored_block_scalars(s_ptr, v_ptr, eps, bc2, bc1, FACTORED: tl.constexpr): 
 
 @jit
 def _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, ncols_magic,  # type: ignore[no-untyped-def]
-                   ncols_shift, bc2, bc1, eps, FACTORED: tl.constexpr, OFFS64: tl.constexpr,
-                   COLS16: tl.constexpr = False):
+                   ncols_shift, bc2, bc1, eps, FACTORED: tl.constexpr, OFFS64: tl.constexpr):
     """The parameter values and (factored mode) the per-element ``V`` and ``sigma`` of
     ``offs``. Called before the block reduction and the quantisation, so these loads are in
-    flight while they run instead of after them (the tile route is latency-bound otherwise).
-
-    ``COLS16`` (a ``[blocks, P2]`` tile, :func:`column_groups_aligned`): each 16-element
-    group of a block starts at a multiple of 16 and lies in one row, so its columns are 16
-    consecutive indices from a multiple of 16 (the hints let ``k`` load as vectors)."""
+    flight while they run instead of after them (the tile route is latency-bound otherwise)."""
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     big_v = p  # unused in block mode
     sigma = p
     if FACTORED:
         row, col = _row_col(offs, ncols, ncols_magic, ncols_shift, OFFS64)
-        if COLS16:
-            col = tl.max_contiguous(tl.multiple_of(col, [1, 16]), [1, 16])
         r = tl.load(row_ptr + row, mask=mask, other=0.0)
         k = tl.load(col_ptr + col, mask=mask, other=0.0)
         big_v = (r * k) * tl.load(inv_rbar_ptr)
@@ -282,13 +275,11 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                  table_ptr, num_blocks, period, ncols, ncols_magic, ncols_shift, b1, omb1, b2,
                  omb2, eps, lr, bc2, bc1, decay, seed_u, BPP: tl.constexpr, P2: tl.constexpr,
                  FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 STEPS: tl.constexpr, OFFS64: tl.constexpr, IN_ROW: tl.constexpr,
-                 COLS16: tl.constexpr):
+                 STEPS: tl.constexpr, OFFS64: tl.constexpr, IN_ROW: tl.constexpr):
     """The tile route's work for program ``pid`` of one tensor: blocks
     ``[pid * BPP, (pid + 1) * BPP)`` as a ``[BPP, P2]`` register tile. ``OFFS64``: int64
     offsets, else int32 (``pid``, ``num_blocks`` and ``period`` must then be int32).
-    ``IN_ROW``: :func:`blocks_in_rows` holds; ``COLS16``: :func:`column_groups_aligned` holds
-    (factored mode only)."""
+    ``IN_ROW``: :func:`blocks_in_rows` holds (factored mode only)."""
     period = _index(period, OFFS64)
     num_blocks = _index(num_blocks, OFFS64)
     blocks = _index(pid, OFFS64) * BPP + _index(tl.arange(0, BPP), OFFS64)
@@ -306,7 +297,7 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
     else:
         p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
                                               ncols, ncols_magic, ncols_shift, bc2, bc1, eps,
-                                              FACTORED, OFFS64, COLS16)
+                                              FACTORED, OFFS64)
     s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
     sigma = s_new  # unused in factored mode
     if not FACTORED:
@@ -328,14 +319,14 @@ def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                       BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
                       MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
                       SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr,
-                      IN_ROW: tl.constexpr, COLS16: tl.constexpr):
+                      IN_ROW: tl.constexpr):
     """Tile route: program ``pid`` owns blocks ``[pid * BPP, (pid + 1) * BPP)``."""
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
     _tile_blocks(tl.program_id(0), p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr,
                  col_ptr, inv_rbar_ptr, cb_ptr, table_ptr, num_blocks, period, ncols, ncols_magic,
                  ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay,
                  _load_seed(seed_ptr, seed, SEED_PTR), BPP,
-                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64, IN_ROW, COLS16)
+                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64, IN_ROW)
 
 
 @jit(do_not_specialize=["seed", "num_blocks", "ncols_magic", "ncols_shift"])
@@ -443,15 +434,6 @@ def blocks_in_rows(factored: bool, period: int, ncols: int) -> bool:
     return factored and period % 16 == 0 and ncols % period == 0
 
 
-def column_groups_aligned(factored: bool, period: int, ncols: int) -> bool:
-    """The tile route's ``COLS16``: factored mode, both the period and the column count are
-    multiples of 16, and :func:`blocks_in_rows` does not hold. Each aligned group of 16
-    elements then lies in one row (rows start at multiples of the column count), masked lanes
-    past a block's end included."""
-    return (factored and period % 16 == 0 and ncols % 16 == 0
-            and not blocks_in_rows(factored, period, ncols))
-
-
 def tile_warps(elements: int) -> int:
     """Warps of a tile-route program holding ``elements`` elements. Four for the usual
     2048-element tile: on an H200 (scripts/kernel_sweep.py,
@@ -523,7 +505,6 @@ def launch_step(
             f32(1.0 - b2), f32(eps), scal["lr"], scal["bc2"], scal["bc1"], scal["decay"],
             to_signed64(seed), BPP=bpp, P2=p2, **common, **flags,
             IN_ROW=blocks_in_rows(factored, period, ncols),
-            COLS16=column_groups_aligned(factored, period, ncols),
             num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
     elif route == "loop":
         _step_loop_kernel[(num_blocks,)](
@@ -566,5 +547,5 @@ def launch_step(
         raise ValueError(f"unknown route {route!r}; expected 'tile', 'loop' or 'split'")
 
 
-__all__ = ["blocks_in_rows", "choose_route", "column_groups_aligned", "denominator",
-           "launch_step", "ncols_divider", "tile_warps"]
+__all__ = ["blocks_in_rows", "choose_route", "denominator", "launch_step", "ncols_divider",
+           "tile_warps"]

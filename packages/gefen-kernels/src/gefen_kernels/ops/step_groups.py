@@ -171,7 +171,7 @@ class _Launches:
         self.consts = ({} if self.stats_only else
                        {k: first._consts[k] for k in ("BPP", "P2", "MAXIMIZE", "STOCHASTIC",
                                                       "STEPS", "OFFS64", "IN_ROW",
-                                                      "COLS16", "num_warps")})
+                                                      "num_warps")})
         self.layout = first._stats_layout
         # The class's bases are the first member's parameter, codes and scales, looked up
         # through its plan when needed: the tables hold no tensor, so an optimizer's state is
@@ -314,8 +314,7 @@ class StepGroups:
                 continue
             c = plan._consts
             layout = plan._stats_layout[:2] if plan._stats_layout is not None else None
-            tile = None if _stats_only(plan) else (c["P2"], c["BPP"], c["OFFS64"], c["IN_ROW"],
-                                                   c["COLS16"])
+            tile = None if _stats_only(plan) else (c["P2"], c["BPP"], c["OFFS64"], c["IN_ROW"])
             key = (plan.factored, plan.dtype, grad.dtype, tile, layout, _class_specs(plan))
             classes.setdefault(key, []).append(i)
         self._classes = [_Launches(key, members, plans, self.device)
@@ -522,6 +521,5 @@ class StepGroups:
                     hyper, seed_table, b1, omb1, b2, omb2, eps, P_VEC=cls.p_vec,
                     G_VEC=cls.g_vec, BPP=c["BPP"], P2=c["P2"],
                     FACTORED=cls.factored, MAXIMIZE=c["MAXIMIZE"], STOCHASTIC=c["STOCHASTIC"],
-                    STEPS=c["STEPS"], OFFS64=c["OFFS64"], IN_ROW=c["IN_ROW"],
-                    COLS16=c["COLS16"], SPEC_PERIOD=sp[0], SPEC_NCOLS=sp[1],
-                    num_warps=c["num_warps"], **LAUNCH_OPTIONS)
+                    STEPS=c["STEPS"], OFFS64=c["OFFS64"], IN_ROW=c["IN_ROW"], SPEC_PERIOD=sp[0],
+                    SPEC_NCOLS=sp[1], num_warps=c["num_warps"], **LAUNCH_OPTIONS)

@@ -36,7 +36,6 @@ from ._step_kernels import (
     _step_tile_kernel,
     blocks_in_rows,
     choose_route,
-    column_groups_aligned,
     launch_step,
     ncols_divider,
     needs_int64,
@@ -118,8 +117,7 @@ class StepPlan:
             self._kernel = _step_tile_kernel
             self._grid: tuple[int, ...] | None = (-(-num_blocks // bpp),)
             consts.update(BPP=bpp, P2=p2, num_warps=tile_warps(bpp * p2),
-                          IN_ROW=blocks_in_rows(self.factored, period, self.ncols),
-                          COLS16=column_groups_aligned(self.factored, period, self.ncols))
+                          IN_ROW=blocks_in_rows(self.factored, period, self.ncols))
         elif self.route == "loop":
             self._kernel = _step_loop_kernel
             self._grid = (num_blocks,)

@@ -19,7 +19,8 @@ host launch cost, as a user who captures the optimizer step gets it. Their stead
 is about 0: what the captured step allocates lives in the graph's memory pool, counted in
 alloc-delta instead.
 
-Columns: median step ms; host-issue ms (median); first-step ms; state B/param (distinct
+Columns: median step ms; host-issue ms (median); first-step ms; warm first-step ms (the
+second optimizer's first step, above); state B/param (distinct
 storages reachable from the optimizer, :mod:`.state_bytes`); alloc-delta B/param (growth of
 ``memory_allocated`` from before the optimizer was built to after all steps); peak extra MiB
 (``max_memory_allocated`` − ``memory_allocated`` before a step, after

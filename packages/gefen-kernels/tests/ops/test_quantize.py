@@ -424,11 +424,21 @@ def test_staged_lookup_reads_only_its_section() -> None:
     assert torch.equal(got.cpu().long(), want)
 
 
-def test_staged_section_refuses_a_jump_over_a_code() -> None:
+def test_staged_section_keeps_a_pair_and_refuses_a_jump_over_a_code() -> None:
     from gefen_kernels.ops._decision_table import build_decision_table, staged_section
 
     cb = _learned_like_codebook()
     assert staged_section(build_decision_table(cb, device="cpu")) is not None
+    # Two equal codewords keep the section: the jump from 119 to 120 lies at the codeword.
+    pair = cb.clone()
+    pair[120] = pair[119]
+    table = build_decision_table(pair, device="cpu")
+    assert table is not None
+    staged = staged_section(table)
+    assert staged is not None
+    full = torch.cat([table, staged])
+    x = _hard_values(full, pair)
+    assert torch.equal(_decode_staged(full, x), quantize_nearest_reference(x, pair).long())
     # Three equal codewords: just above them the lower bound is 122 and its left neighbour
     # 121 wins, so code 120 is never nearest and one bucket jumps from 119 to 121.
     cb[120:122] = cb[119]

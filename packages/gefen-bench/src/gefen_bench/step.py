@@ -7,15 +7,15 @@ process (with a timeout; failures are reported verbatim) which first steps a tin
 set, so one-time process costs (imports, JIT, lazy kernel loading) stay out of the
 first-step figure. Per model: 1 first step, ``--warmup`` steps, then ``--steps`` timed
 steps, each timed with CUDA events after a device synchronisation (so host launch gaps
-count); host-issue ms is how long ``step()`` takes to return on the host. The first step is taken
-twice: by the first optimizer built in the process for this model (first-step ms: it also
-loads, or compiles, the kernel variants this model's shapes need that the pre-warm did not)
-and by a second one built over the same parameters and gradients after the first is dropped
-(warm first-step ms: the step's own work, with every kernel loaded); the second optimizer is
-the one timed after that. The ``*-graph``
-entries (CUDA only) take the first step eagerly, run the warm-up steps on a side stream,
-capture one step in a ``torch.cuda.CUDAGraph`` and time its replays: the step without any
-host launch cost, as a user who captures the optimizer step gets it. Their steady "peak extra"
+count); host-issue ms is how long ``step()`` takes to return on the host. The first step is
+taken twice: by the first optimizer built in the process for this model (first-step ms: it
+also loads, or compiles, the kernel variants this model's shapes need that the pre-warm did
+not) and by a second one built over the same parameters and gradients after the first is
+dropped (warm first-step ms: the step's own work, with every kernel loaded); the second
+optimizer is the one timed after that. The ``*-graph`` entries (CUDA only) take the first
+step eagerly, run the warm-up steps on a side stream, capture one step in a
+``torch.cuda.CUDAGraph`` and time its replays: the step without any host launch cost, as a
+user who captures the optimizer step gets it. Their steady "peak extra"
 is about 0: what the captured step allocates lives in the graph's memory pool, counted in
 alloc-delta instead.
 

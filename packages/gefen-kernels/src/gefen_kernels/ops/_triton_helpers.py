@@ -13,6 +13,8 @@ Importing this module never needs Triton: without it the helpers are stubs.
 from __future__ import annotations
 
 from .._triton import gather_supported, interpret_mode, jit, tl
+from ._decision_table import STAGED_CODES as _staged_codes
+from ._decision_table import STAGED_THRESHOLDS as _staged_thresholds
 
 # Launch options every Gefen kernel uses (see the module docstring).
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
@@ -22,8 +24,9 @@ PAIRS_OFFSET = tl.constexpr(4097) if tl is not None else 4097
 DECISION_PAIRS = tl.constexpr(4096) if tl is not None else 4096
 # The decision table's staged section (_decision_table.STAGED_*), in 32-bit words: the lower
 # codes as bytes, then the fp32 thresholds.
-STAGED_CODES32 = tl.constexpr(4 * 4096) if tl is not None else 4 * 4096
-STAGED_THRESHOLDS32 = tl.constexpr(4 * 4096 + 1024) if tl is not None else 4 * 4096 + 1024
+STAGED_CODES32 = (tl.constexpr(2 * _staged_codes) if tl is not None else 2 * _staged_codes)
+STAGED_THRESHOLDS32 = (tl.constexpr(2 * _staged_thresholds) if tl is not None
+                       else 2 * _staged_thresholds)
 # Whether kernels run in Triton's interpreter (fixed at import, as Triton itself does).
 INTERPRETED = tl.constexpr(interpret_mode()) if tl is not None else interpret_mode()
 # Whether tl_codewords gathers from registers (the Triton versions that compile it).

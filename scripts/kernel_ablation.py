@@ -98,9 +98,9 @@ VARIANTS: dict[str, tuple[str, list[Patch]]] = {
         [
             (
                 _SK,
-                "        h = tl.math.sqrt_rn(big_v * bc2)\n        h = h + eps\n"
-                "        sigma = tl.math.div_rn(1.0, h) * bc1",
-                "        h = tl.sqrt(big_v * bc2)\n        h = h + eps\n        sigma = bc1 / h",
+                "    h = tl.math.sqrt_rn(big_v * bc2)\n    h = h + eps\n"
+                "    return big_v, tl.math.div_rn(1.0, h) * bc1",
+                "    h = tl.sqrt(big_v * bc2)\n    h = h + eps\n    return big_v, bc1 / h",
             ),
         ],
     ),

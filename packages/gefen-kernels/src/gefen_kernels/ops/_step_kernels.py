@@ -208,11 +208,18 @@ def _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, nco
         row, col = _row_col(offs, ncols, ncols_magic, ncols_shift, OFFS64)
         r = tl.load(row_ptr + row, mask=mask, other=0.0)
         k = tl.load(col_ptr + col, mask=mask, other=0.0)
-        big_v = (r * k) * tl.load(inv_rbar_ptr)
-        h = tl.math.sqrt_rn(big_v * bc2)
-        h = h + eps
-        sigma = tl.math.div_rn(1.0, h) * bc1
+        big_v, sigma = _factored_sigma(r, k, inv_rbar_ptr, bc2, bc1, eps)
     return p, big_v, sigma
+
+
+@jit
+def _factored_sigma(r, k, inv_rbar_ptr, bc2, bc1, eps):  # type: ignore[no-untyped-def]
+    """§1.11's ``V = f32(f32(r k) * f32(1/rbar))`` and
+    ``sigma = f32(f32(1/f32(f32(sqrt(f32(V * bc2))) + eps)) * bc1)``, per element."""
+    big_v = (r * k) * tl.load(inv_rbar_ptr)
+    h = tl.math.sqrt_rn(big_v * bc2)
+    h = h + eps
+    return big_v, tl.math.div_rn(1.0, h) * bc1
 
 
 @jit
@@ -232,10 +239,7 @@ def _row_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, blocks, bmask, col
     r = tl.load(row_ptr + brow, mask=bmask, other=0.0)[:, None]
     k = tl.load(col_ptr + (bcol[:, None] + cols[None, :]), mask=mask, other=0.0)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    big_v = (r * k) * tl.load(inv_rbar_ptr)
-    h = tl.math.sqrt_rn(big_v * bc2)
-    h = h + eps
-    sigma = tl.math.div_rn(1.0, h) * bc1
+    big_v, sigma = _factored_sigma(r, k, inv_rbar_ptr, bc2, bc1, eps)
     return p, big_v, sigma
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import itertools
 import sys
 
 import kernel_ablation  # DEVICE and ROWS are set on it
@@ -47,26 +48,42 @@ from gefen_kernels.ops._step_kernels import (
     tl_quantize_nearest,
     tl_round_to,
 )
-from gefen_kernels.ops._triton_helpers import LAUNCH_OPTIONS
+from gefen_kernels.ops._triton_helpers import (
+    LAUNCH_OPTIONS,
+    STAGED_CODES32,
+    STAGED_THRESHOLDS32,
+    _bucket,
+    _gather,
+)
 
 W = 256  # width of the [N / W, W] views the descriptors read
 
 
 @triton.jit
-def _tma_tile_kernel(p_desc, g_desc, q_desc, k_desc, s_ptr, v_ptr, row_ptr, inv_rbar_ptr,  # type: ignore[no-untyped-def]
-                     cb_ptr, table_ptr, hyper_ptr, num_blocks, period, ncols, ncols_magic,
-                     ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay,
+def _tma_tile_kernel(p_desc, g_desc, q_desc, k_desc, p_out_ptr, q_ptr, s_ptr, v_ptr,  # type: ignore[no-untyped-def]
+                     row_ptr, inv_rbar_ptr, cb_ptr, table_ptr, hyper_ptr, num_blocks, period,
+                     ncols, ncols_magic, ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay,
                      R: tl.constexpr, FACTORED: tl.constexpr, STEPS: tl.constexpr,
-                     NS: tl.constexpr):
+                     NS: tl.constexpr, HOIST: tl.constexpr, TMA_STORE: tl.constexpr):
     """Blocks ``pid, pid + programs, ...``; block ``b`` is rows ``[b R, (b + 1) R)`` of the
     ``[N / 256, 256]`` views (``R = P / 256``)."""
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, False)
+    # HOIST: the codebook and the staged section in registers once per program, not per block.
+    cb = tl.load(cb_ptr + tl.arange(0, 256))
+    words = tl.load(table_ptr.to(tl.pointer_type(tl.int32)) + STAGED_CODES32
+                    + tl.arange(0, 1024))
+    thresholds = tl.load(table_ptr.to(tl.pointer_type(tl.float32)) + STAGED_THRESHOLDS32
+                         + tl.arange(0, 256))
+    offs = tl.arange(0, R)[:, None] * 256 + tl.arange(0, 256)[None, :]
     for blk in tl.range(tl.program_id(0), num_blocks, tl.num_programs(0), num_stages=NS):
         g = g_desc.load([blk * R, 0]).to(tl.float32)
         code = q_desc.load([blk * R, 0]).to(tl.int32)
         p = p_desc.load([blk * R, 0])
         s_old = tl.load(s_ptr + blk)
-        m = tl_momentum_ema(b1, omb1, s_old, _codewords(cb_ptr, code), g)
+        if HOIST:
+            m = tl_momentum_ema(b1, omb1, s_old, _gather(cb, code), g)
+        else:
+            m = tl_momentum_ema(b1, omb1, s_old, _codewords(cb_ptr, code), g)
         if FACTORED:
             brow, bcol = _row_col(blk * period, ncols, ncols_magic, ncols_shift, False)
             k = k_desc.load([bcol // 256, 0])
@@ -82,18 +99,32 @@ def _tma_tile_kernel(p_desc, g_desc, q_desc, k_desc, s_ptr, v_ptr, row_ptr, inv_
         s_new = tl_nan_max(tl.max(absm, axis=1), tl.max((m != m).to(tl.int32), axis=1), 0)
         positive = s_new > 0
         z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)
-        q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
-        q_desc.store([blk * R, 0], q.to(tl.uint8))
+        if HOIST:  # tl_quantize_nearest's staged branch, on the hoisted tensors
+            b = _bucket(z)
+            q_lo = (_gather(words, b >> 2) >> ((b & 3) * 8)) & 255
+            q = q_lo + (z > _gather(thresholds, q_lo)).to(tl.int32)
+            codeword = _gather(cb, q)
+        else:
+            q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
+        base = blk * period
+        if TMA_STORE:
+            q_desc.store([blk * R, 0], q.to(tl.uint8))
+        else:
+            tl.store(q_ptr + (base + offs), q.to(tl.uint8))
         mhat = codeword * s_new
         if FACTORED:
             mhat = tl.where(big_v == 0.0, 0.0, mhat)
         u = (mhat * sigma) * lr
         decayed = tl_round_to(p.to(tl.float32) * decay, p.dtype).to(tl.float32)
-        p_desc.store([blk * R, 0], tl_round_to(decayed - u, p.dtype))
+        if TMA_STORE:
+            p_desc.store([blk * R, 0], tl_round_to(decayed - u, p.dtype))
+        else:
+            tl.store(p_out_ptr + (base + offs), tl_round_to(decayed - u, p.dtype))
         tl.store(s_ptr + blk, s_new)
 
 
-def _launch(case: Case, stages: int, per_sm: int, warps: int) -> None:
+def _launch(case: Case, stages: int, per_sm: int, warps: int, hoist: bool,
+            tma_store: bool) -> None:
     """One candidate step on ``case``'s state (its production arguments, re-packed)."""
     period = case.period
     rows = period // W
@@ -118,12 +149,13 @@ def _launch(case: Case, stages: int, per_sm: int, warps: int) -> None:
     grid = (min(num_blocks, sms * per_sm),)
     dummy = case.codebook
     _tma_tile_kernel[grid](
-        p_d, g_d, q_d, k_d, case.scale, case.sq if case.sq is not None else dummy,
+        p_d, g_d, q_d, k_d, case.p, case.codes, case.scale,
+        case.sq if case.sq is not None else dummy,
         case.row if case.row is not None else dummy,
         case.inv_rbar if case.inv_rbar is not None else dummy, case.codebook, case.plan._table,
         dummy, num_blocks, period, 8192, magic, shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1,
         decay, R=rows, FACTORED=case.factored, STEPS=case.plan._consts["STEPS"], NS=stages,
-        num_warps=warps, **LAUNCH_OPTIONS)
+        HOIST=hoist, TMA_STORE=tma_store, num_warps=warps, **LAUNCH_OPTIONS)
 
 
 def _compare(case: Case, run: functools.partial) -> str:  # type: ignore[type-arg]
@@ -156,6 +188,10 @@ def main() -> None:
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--per-sm", default="2,4,8")
     parser.add_argument("--warps", default="4")
+    parser.add_argument("--hoist", default="0,1",
+                        help="0: codebook and tables loaded per block, 1: once per program")
+    parser.add_argument("--tma-store", default="0,1",
+                        help="1: codes and parameters stored through the descriptors")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     kernel_ablation.DEVICE = torch.device(args.device)
@@ -179,18 +215,21 @@ def main() -> None:
         prod = importlib.import_module("gefen_kernels.ops._step_kernels")
         ms = _time(functools.partial(case.launch, prod), args.reps)
         print(f"{tag:22s} {'production':28s} {ms:7.3f} {copy_ms / ms:7.0%}")
-        for warps in (int(w) for w in args.warps.split(",")):
-            for stages in (int(s) for s in args.stages.split(",")):
-                for per_sm in (int(x) for x in args.per_sm.split(",")):
-                    run = functools.partial(_launch, case, stages, per_sm, warps)
-                    try:
-                        ms = _time(run, args.reps)
-                        check = _compare(case, run)
-                    except Exception as exc:  # a configuration that does not compile or fit
-                        ms, check = float("nan"), f"failed: {type(exc).__name__}: {exc}"[:160]
-                    name = f"tma stages={stages} {per_sm}/SM w={warps}"
-                    print(f"{tag:22s} {name:28s} {ms:7.3f} {copy_ms / ms:7.0%}  {check}")
-                    sys.stdout.flush()
+        configs = itertools.product(
+            (int(w) for w in args.warps.split(",")), (int(x) for x in args.stages.split(",")),
+            (int(x) for x in args.per_sm.split(",")), (bool(int(x)) for x in args.hoist.split(",")),
+            (bool(int(x)) for x in args.tma_store.split(",")))
+        for warps, stages, per_sm, hoist, tma_store in configs:
+            run = functools.partial(_launch, case, stages, per_sm, warps, hoist, tma_store)
+            try:
+                ms = _time(run, args.reps)
+                check = _compare(case, run)
+            except Exception as exc:  # a configuration that does not compile or fit
+                ms, check = float("nan"), f"failed: {type(exc).__name__}: {exc}"[:160]
+            name = (f"s={stages} {per_sm}/SM w={warps}{' hoist' if hoist else ''}"
+                    f"{' tma-st' if tma_store else ''}")
+            print(f"{tag:22s} {name:28s} {ms:7.3f} {copy_ms / ms:7.0%}  {check}")
+            sys.stdout.flush()
         case = None  # type: ignore[assignment]
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -21,7 +21,7 @@ import time
 import torch
 
 
-def _profile(model: str, factored: bool, steps: int) -> None:
+def _profile(model: str, factored: bool, steps: int, launches: bool = False) -> None:
     from gefen_bench.param_sets import build_param_set, shapes_for
     from gefen_core import Gefen
 
@@ -75,6 +75,8 @@ def _profile(model: str, factored: bool, steps: int) -> None:
         torch.cuda.synchronize()
     print("--- device time per kernel over 3 steady steps")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+    if launches:
+        _print_launches(opt)
     # A second optimizer's first step over the same gradients: every kernel it launches is
     # already loaded in this process, so this is the first step's own work (period search,
     # codebook, state, first update) without Triton's compile or cache load.
@@ -112,6 +114,32 @@ def _profile(model: str, factored: bool, steps: int) -> None:
     torch.cuda.empty_cache()
 
 
+def _print_launches(opt) -> None:  # type: ignore[no-untyped-def]
+    """Each kernel of one steady step in issue order with its device time, then the
+    (shape, period, factored) census of the parameters (what the launch classes hold)."""
+    from collections import Counter
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.time_range.start)
+    total = sum(e.time_range.elapsed_us() for e in kernels)
+    print(f"--- one steady step, {len(kernels)} kernels, {total:.1f} us of device time")
+    for e in kernels:
+        print(f"  {e.time_range.elapsed_us():9.1f} us  {e.name[:90]}")
+    census: Counter[tuple[object, ...]] = Counter()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            if "exp_avg_codes" in st:
+                census[(tuple(p.shape), int(st["exp_avg_codes"].shape[1]),
+                        "exp_avg_sq_row" in st)] += 1
+    print("--- parameters (shape, period, factored): count")
+    for key, count in sorted(census.items(), key=lambda kv: -kv[1] * torch.Size(kv[0][0]).numel()):
+        print(f"  {key}: {count}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,llama")
@@ -121,13 +149,15 @@ def main() -> None:
         default="factored,block",
         help="second-moment modes, comma-separated (factored, block)",
     )
+    parser.add_argument("--launches", action="store_true",
+                        help="also list each kernel of one steady step, and the periods")
     args = parser.parse_args()
     modes = args.modes.split(",")
     if not set(modes) <= {"factored", "block"}:
         parser.error(f"--modes takes factored and/or block, got {args.modes!r}")
     for model in args.models.split(","):
         for mode in modes:
-            _profile(model, mode == "factored", args.steps)
+            _profile(model, mode == "factored", args.steps, args.launches)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,10 @@ VARIANTS["all_ablations"] = (
         for p in ps
     ],
 )
+VARIANTS["no_ieee"] = (
+    "ablation: fast_sigma and no_div together (no per-element IEEE division or square root)",
+    [*VARIANTS["fast_sigma"][1], *VARIANTS["no_div"][1]],
+)
 VARIANTS["no_gathers"] = (
     "ablation: no_search and no_cb_gather together",
     [*VARIANTS["no_search"][1], *VARIANTS["no_cb_gather"][1]],
@@ -365,7 +369,9 @@ def _periods() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=30, help="launches timed per round")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds over all variants; the median round is reported")
     parser.add_argument("--periods", default="2048,256",
                         help="block periods of the cases (each must divide rows x 8192)")
     parser.add_argument("--rows", type=int, default=8192,
@@ -424,18 +430,28 @@ def main() -> None:
                     f"{mode} P={period} BPP={case.plan._consts['BPP']} "
                     f"warps={case.plan._consts['num_warps']} STEPS={case.plan._consts['STEPS']}"
                 )
+                runs = {name: functools.partial(case.launch, modules[name]) for name in names}
+                # Rounds over all variants, not all rounds of one variant then the next: the
+                # GPU's clock drifts over a run (production timed twice in a row has differed
+                # by 15 %), and interleaving spreads that drift over every variant alike.
+                times: dict[str, list[float]] = {name: [] for name in names}
+                for _ in range(args.rounds):
+                    for name in names:
+                        times[name].append(_time(runs[name], args.reps))
                 for name in names:
-                    run = functools.partial(case.launch, modules[name])
-                    ms = _time(run, args.reps)
                     same = ""
                     if VARIANTS[name][0].startswith("candidate"):
-                        same = _check(case, run)
-                    rows.append((tag, name, ms, same))
+                        same = _check(case, runs[name])
+                    ts = sorted(times[name])
+                    rows.append((tag, name, ts[len(ts) // 2], ts[0], ts[-1], same))
                 case = None  # type: ignore[assignment]
                 torch.cuda.empty_cache()
-        print(f"\n{'case':36s} {'variant':18s} {'ms':>7s} {'% copy':>7s}  check")
-        for tag, name, ms, same in rows:
-            print(f"{tag:36s} {name:18s} {ms:7.3f} {copy_ms / ms:7.0%}  {same}")
+        print(f"\n{args.rounds} interleaved rounds of {args.reps} launches: the median round "
+              f"(ms), its range, % of copy")
+        print(f"{'case':36s} {'variant':18s} {'ms':>7s} {'range':>15s} {'% copy':>7s}  check")
+        for tag, name, ms, lo, hi, same in rows:
+            print(f"{tag:36s} {name:18s} {ms:7.3f} {lo:7.3f}-{hi:<7.3f} {copy_ms / ms:7.0%}  "
+                  f"{same}")
     finally:
         _cleanup()
         sys.stdout.flush()

@@ -171,12 +171,29 @@ TABLE_LAYOUTS: dict[str, Any] = {
         [t[:8192].view(2, -1).t().contiguous().reshape(-1), t[8192:]]),
 }
 VARIANTS["base_again"] = ("candidate: production timed a second time (the spread)", [])
+# The tile route's head and tail pieces (tile_shape's TAIL, factored mode): one_tile is the
+# one [BPP, P2] tile production used before; any_tail a tail for every period in
+# (P2 / 2, 3 P2 / 4], where production takes one only up to 5 P2 / 8.
+VARIANTS["one_tile"] = ("candidate: one [BPP, P2] tile per block, no tail piece (TAIL=0)", [])
+VARIANTS["any_tail"] = (
+    "candidate (factored): a tail piece for every period in (P2 / 2, 3 P2 / 4]", [])
+
+
+def _any_tail(period: int) -> dict[str, int]:
+    p2 = 1 << (period - 1).bit_length()
+    tail = 1 << (period - p2 // 2 - 1).bit_length() if p2 // 2 < period <= 3 * p2 // 4 else 0
+    return {"TAIL": tail if tail >= 16 else 0}
+
+
+# Variants launched with other constexprs: variant -> (period -> overrides of the plan's).
+CONSTS: dict[str, Any] = {"one_tile": lambda period: {"TAIL": 0}, "any_tail": _any_tail}
 VARIANTS["all_ablations"] = (
     "ablation: every ablation and candidate above at once",
     [
         p
         for name, (_, ps) in VARIANTS.items()
-        if name not in ("base", "load_cb", "pair_load", "interleaved", "head_lookup", "flat_k")
+        if name not in ("base", "load_cb", "pair_load", "interleaved", "head_lookup", "flat_k",
+                        "one_tile", "any_tail")
         for p in ps
     ],
 )
@@ -217,6 +234,7 @@ def _load_variant(name: str, patches: list[Patch]) -> Any:
     module = importlib.import_module(f"gefen_kernels.ops.{sk_mod}")
     if name in TABLE_LAYOUTS:
         module._ABL_TABLE_LAYOUT = TABLE_LAYOUTS[name]
+    module._ABL_CONSTS = CONSTS.get(name)
     return module
 
 
@@ -309,7 +327,11 @@ class Case:
             if layout not in self._tables:
                 self._tables[layout] = layout(self.plan._table)
             args = (*args[:9], self._tables[layout], *args[10:])
-        module._step_tile_kernel[self.plan._grid](*args, 0, **self.plan._consts)
+        consts = dict(self.plan._consts)
+        overrides = getattr(module, "_ABL_CONSTS", None)
+        if overrides is not None and self.factored:  # a tail piece is factored mode's only
+            consts.update(overrides(self.period))
+        module._step_tile_kernel[self.plan._grid](*args, 0, **consts)
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -428,6 +450,7 @@ def main() -> None:
                 mode = "factored" if factored else "block"
                 tag = (
                     f"{mode} P={period} BPP={case.plan._consts['BPP']} "
+                    f"TAIL={case.plan._consts['TAIL']} "
                     f"warps={case.plan._consts['num_warps']} STEPS={case.plan._consts['STEPS']}"
                 )
                 runs = {name: functools.partial(case.launch, modules[name]) for name in names}

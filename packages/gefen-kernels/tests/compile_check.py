@@ -250,9 +250,11 @@ def scenarios() -> Iterator[Callable[[], None]]:
                                 exp_avg_sq=v, row=None, col=None, inv_rbar=None, ncols=1,
                                 codebook=cb, route=route, **hp(**flags))
             yield run
-    # Factored mode: the statistics kernel and the step kernels with FACTORED=True.
+    # Factored mode: the statistics kernel and the step kernels with FACTORED=True. 1152 and
+    # 144 take a head and a tail piece (tile_shape's TAIL), 288 / 144 with IN_ROW.
     for rows, cols, period, route in [(1, 1, 1, None), (1, 16, 16, None), (7, 13, 7, None),
                                       (64, 96, 32, None), (16, 1024, 2048, None),
+                                      (10, 576, 1152, None), (4, 288, 144, None),
                                       (2048, 64, 1, None), (3, 5003, 5003, "loop"),
                                       (2, 4099, 4099, "split"), (4097, 1, 1, None),
                                       (1, 4097, 4097, None)]:
@@ -357,7 +359,8 @@ def scenarios() -> Iterator[Callable[[], None]]:
                      (torch.float16, torch.float32), (torch.bfloat16, torch.float16)):
         def run_g(pdt: torch.dtype = pdt, gdt: torch.dtype = gdt) -> None:
             _group_launch([((64, 96), 32), ((7, 13), 7), ((16, 1024), 2048), ((2048, 64), 1),
-                           ((1, 1), 1), ((48,), 16), ((21,), 7), ((4096,), 2048)], pdt, gdt, cb)
+                           ((1, 1), 1), ((48,), 16), ((21,), 7), ((4096,), 2048),
+                           ((10, 576), 1152), ((4, 288), 144)], pdt, gdt, cb)
         yield run_g
 
     def run_groups64() -> None:
@@ -616,9 +619,10 @@ def resident_warps(regs: int, num_warps: int) -> int:
 
 # (shape, period): factored when 2-D; aligned and unaligned periods and column counts, sizes
 # that make the statistics scratch's column partials and block sums aligned or not.
-LAYOUT_CASES = [((256, 2048), 2048), ((768, 2304), 1152), ((1733, 768), 1733), ((40, 24), 8),
-                ((5, 600), 40), ((1, 16), 16), ((4096,), 64), ((2304,), 24), ((7,), 7),
-                ((3466, 768), 768)]
+# 1152 takes a head and a tail piece, with (2304 columns) and without (3072) IN_ROW.
+LAYOUT_CASES = [((256, 2048), 2048), ((768, 2304), 1152), ((768, 3072), 1152),
+                ((1733, 768), 1733), ((40, 24), 8), ((5, 600), 40), ((1, 16), 16),
+                ((4096,), 64), ((2304,), 24), ((7,), 7), ((3466, 768), 768)]
 _LAYOUT_PAIRS = {"_step_tile_kernel": "_group_tile_kernel",
                  "_factored_stats_kernel": "_group_stats_kernel",
                  "_factored_finalize_kernel": "_group_finalize_kernel"}

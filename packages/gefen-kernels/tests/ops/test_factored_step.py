@@ -25,6 +25,7 @@ from kernels_oracle import (
 )
 
 from gefen_kernels import _numerics
+from gefen_kernels.ops import _step_kernels as step_kernels
 from gefen_kernels.ops._step_kernels import launch_step
 from gefen_kernels.ops._step_ref import make_scalars
 from gefen_kernels.ops.factored_step import (
@@ -283,9 +284,13 @@ def _pair(param, grad, st, cb, *, route=None, split_elements=16384, loop_tile=20
 
 # (64, 96, 32), (12, 64, 16) and (8, 48, 48) take the tile route's per-block row statistic
 # and vector column loads (IN_ROW); (6, 80, 40) (a period not a multiple of 16) and
-# (16, 1024, 2048) (blocks across rows) the per-element form.
+# (16, 1024, 2048) (blocks across rows) the per-element form. The last five take a head and
+# a tail piece (tile_shape's TAIL): 1152 and 144 with per-element statistics, 2304 / 1152,
+# 288 / 144 and 1040 / 1040 with IN_ROW, 150 (not a multiple of 16) with a 32-lane tail.
 PARITY = [(1, 1, 1), (7, 13, 7), (64, 96, 32), (1, 4097, 4097), (4097, 1, 1), (31, 33, 3),
-          (16, 1024, 2048), (5, 300, 1500), (12, 64, 16), (8, 48, 48), (6, 80, 40)]
+          (16, 1024, 2048), (5, 300, 1500), (12, 64, 16), (8, 48, 48), (6, 80, 40),
+          (10, 576, 1152), (6, 96, 144), (6, 2304, 1152), (4, 288, 144), (3, 1040, 1040),
+          (5, 150, 150)]
 
 
 def test_parity_shapes_cover_both_column_forms() -> None:
@@ -293,6 +298,57 @@ def test_parity_shapes_cover_both_column_forms() -> None:
 
     tile = [(c, p) for _, c, p in PARITY if p <= 4096]
     assert {blocks_in_rows(True, p, c) for c, p in tile} == {True, False}
+    tails = [(c, p) for c, p in tile if step_kernels.tile_shape(p, True)[2]]
+    assert {blocks_in_rows(True, p, c) for c, p in tails} == {True, False}
+
+
+@pytest.mark.parametrize("period,factored,tail", [
+    (1152, True, 128), (1040, True, 16), (1280, True, 256), (144, True, 16), (150, True, 32),
+    (1281, True, 0), (1536, True, 0), (1024, True, 0), (2048, True, 0), (135, True, 0),
+    (7, True, 0), (1152, False, 0)])
+def test_tile_shape_tail(period: int, factored: bool, tail: int) -> None:
+    """A tail only in factored mode, for P2/2 < P <= 5 P2/8, and only 16 lanes or wider; the
+    head and the tail then cover the block with fewer lanes than one P2 tile."""
+    p2, bpp, got = step_kernels.tile_shape(period, factored)
+    assert p2 == 1 << (period - 1).bit_length() and bpp >= 1
+    assert got == tail
+    if tail:
+        assert p2 // 2 < period <= p2 // 2 + tail < p2
+
+
+@pytest.mark.parametrize("rows,cols,period", [(10, 576, 1152), (6, 2304, 1152), (6, 96, 144)])
+def test_tail_piece_matches_one_tile(monkeypatch: pytest.MonkeyPatch, rows: int, cols: int,
+                                     period: int) -> None:
+    """Head and tail against the same step on one ``[BPP, P2]`` tile: the same bits in every
+    output (a max does not depend on its order, and factored mode sums nothing per block),
+    with a block whose maximum lies in its tail, a NaN in a tail lane and a column whose
+    statistic is zero."""
+    dev = _device()
+    gen = torch.Generator().manual_seed(period)
+    param = torch.randn(rows, cols, generator=gen).to(torch.bfloat16).to(dev)
+    grad = (torch.randn(rows, cols, generator=gen) * 0.05).to(torch.bfloat16).to(dev)
+    grad.view(-1)[period - 2] = 3.0  # the first block's largest |m| in its tail
+    grad.view(-1)[2 * period - 1] = float("nan")  # the last lane (tail) of the second block
+    grad[:, 5] = 0.0  # a column without gradient: V = 0 there
+    st = {k: v.to(dev) for k, v in make_state(rows, cols, period, seed=period).items()}
+    st["col"][5] = 0.0
+    cb = make_codebook(period).to(dev)
+    hp = _hyper(3, 1e-3, 0.01)
+    assert step_kernels.tile_shape(period, True)[2] > 0
+    outs = []
+    for one_tile in (False, True):
+        if one_tile:
+            monkeypatch.setattr(step_kernels, "tile_shape",
+                                lambda p, f, split=step_kernels.tile_shape: (*split(p, f)[:2], 0))
+        p, tri = param.clone(), clone_state(st)
+        factored_step_triton(p, grad, tri["codes"], tri["scale"], tri["row"], tri["col"], cb,
+                             **hp)
+        outs.append((p, tri))
+    (p_tail, tail), (p_one, one) = outs
+    assert tail["scale"][1].isnan().all()
+    for key in ("codes", "scale", "row", "col"):
+        assert_bitwise(tail[key], one[key], key)
+    assert_bitwise(p_tail, p_one, "param")
 
 
 @pytest.mark.parametrize("rows,cols,period", PARITY)
@@ -439,6 +495,7 @@ def test_public_op_on_cpu() -> None:
 @pytest.mark.parametrize("rows,cols,period,route", [
     (8192, 8192, 8192, None), (8192, 8192, 2048, None), (4096, 16384, 4096, None),
     (65536, 1024, 1, None), (2, 1 << 25, 1 << 25, "split"), (16384, 4096, 16384, "loop"),
+    (12288, 3072, 1152, None), (12288, 2304, 1152, None),  # head and tail (tile_shape)
 ])
 def test_triton_matches_reference_large_gpu(rows, cols, period, route) -> None:
     gen = torch.Generator(device="cuda").manual_seed(rows)

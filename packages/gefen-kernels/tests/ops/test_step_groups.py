@@ -31,6 +31,9 @@ CASES = [
     ((16, 32), 32, torch.bfloat16, torch.float16, True),  # another gradient dtype: its class
     ((48, 64), 64, torch.float32, torch.float32, True),  # second member of the fp32 class
     ((9, 600), 50, torch.bfloat16, torch.bfloat16, True),  # second member of the 600's class
+    # A head and a tail piece (tile_shape's TAIL), with per-element and with row statistics.
+    ((6, 96), 144, torch.bfloat16, torch.bfloat16, True),
+    ((4, 288), 144, torch.bfloat16, torch.bfloat16, True),
     ((210,), 7, torch.bfloat16, torch.bfloat16, False),
     ((150,), 5, torch.bfloat16, torch.bfloat16, False),
     ((3072,), 1024, torch.float32, torch.float32, False),
@@ -179,17 +182,18 @@ def test_groups_launch_once_per_class_and_chunk(monkeypatch) -> None:
                                     None)
     # Factored classes: (bf16, bf16, P2 32, unaligned), (fp32, P2 64, aligned),
     # (bf16, P2 16, aligned), (bf16, P2 64, unaligned: 600 columns), (bf16 param, fp16 grad),
-    # and the split-route tensor's (statistics only). Block classes: P2 8 bf16, P2 1024 fp32,
-    # P2 32 fp16. The block split-route tensor launches alone and the empty one not at all.
-    assert counts == {"_group_stats_kernel": 6, "_group_finalize_kernel": 6,
-                      "_group_tile_kernel": 8}
+    # the two head-and-tail classes (P2 256, TAIL 16; with and without IN_ROW), and the
+    # split-route tensor's (statistics only). Block classes: P2 8 bf16, P2 1024 fp32, P2 32
+    # fp16. The block split-route tensor launches alone and the empty one not at all.
+    assert counts == {"_group_stats_kernel": 8, "_group_finalize_kernel": 8,
+                      "_group_tile_kernel": 10}
     # One factored tensor per chunk; block classes need no scratch and stay whole.
     monkeypatch.setattr(step_groups, "GROUP_SCRATCH_BYTES", 0)
     counts.clear()
     StepGroups(plans, grads).launch(grads, [_scalars(j, c[4]) for j, c in enumerate(CASES)],
                                     None)
-    assert counts == {"_group_stats_kernel": 8, "_group_finalize_kernel": 8,
-                      "_group_tile_kernel": 10}
+    assert counts == {"_group_stats_kernel": 10, "_group_finalize_kernel": 10,
+                      "_group_tile_kernel": 12}
 
 
 @pytest.mark.parametrize("force_loop", [False, True])
@@ -382,7 +386,9 @@ def test_gpt2_shaped_list_equals_one_launch_per_plan_gpu(scratch_bytes, monkeypa
         base = []
         for j, shape in enumerate(shapes):
             gen = torch.Generator(device="cuda").manual_seed(j)
-            period = shape[-1] if len(shape) == 2 else min(shape[0], 768)
+            # 1152, GPT-2's most common searched period, takes a head and a tail piece.
+            period = (1152 if shape in ((768, 2304), (768, 3072), (3072, 768)) else
+                      shape[-1] if len(shape) == 2 else min(shape[0], 768))
             n = shape[0] * (shape[1] if len(shape) == 2 else 1)
             st = random_state(n // period, period, seed=j, device="cuda")
             item: dict[str, Any] = {

@@ -104,7 +104,7 @@ def _group_tile_kernel(meta_ptr, prog_ptr, gptr_ptr, p_base, g_base, q_base, f_b
                        P2: tl.constexpr, FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr,
                        STOCHASTIC: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr,
                        IN_ROW: tl.constexpr, SPEC_PERIOD: tl.constexpr,
-                       SPEC_NCOLS: tl.constexpr):
+                       SPEC_NCOLS: tl.constexpr, TAIL: tl.constexpr):
     """Tile route over the tensors of one class: program ``pid`` runs ``_tile_blocks`` for
     its tensor's program ``pid - tile_first``. ``P_VEC``/``G_VEC``: parameter/gradient
     elements per 16 bytes; ``f_base``: the class's fp32 base (scales, statistics)."""
@@ -133,7 +133,7 @@ def _group_tile_kernel(meta_ptr, prog_ptr, gptr_ptr, p_base, g_base, q_base, f_b
     _tile_blocks(local, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, v_ptr, col_ptr, inv_rbar_ptr, cb_ptr,
                  table_ptr, num_blocks, period, ncols, _i32(tl.load(row + 9)),
                  _i32(tl.load(row + 10)), b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed_u,
-                 BPP, P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64, IN_ROW)
+                 BPP, P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64, IN_ROW, TAIL)
 
 
 @jit

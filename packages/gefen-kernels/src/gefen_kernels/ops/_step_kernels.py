@@ -275,43 +275,96 @@ def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma_block, p
 
 
 @jit
+def _tile_piece(p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask,  # type: ignore[no-untyped-def]
+                cols, s_old, period, ncols, ncols_magic, ncols_shift, b1, omb1, bc2, bc1, eps,
+                MAXIMIZE: tl.constexpr, OFFS64: tl.constexpr, IN_ROW: tl.constexpr):
+    """Factored mode, columns ``cols`` of ``blocks``: ``(offs, mask, m, p, V, sigma)`` of that
+    ``[BPP, len(cols)]`` piece (:func:`_momentum`, then :func:`_row_update_inputs` where
+    ``IN_ROW``, else :func:`_update_inputs`)."""
+    mask = bmask[:, None] & (cols < period)[None, :]
+    offs = blocks[:, None] * period + cols[None, :]
+    _, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
+    if IN_ROW:
+        p, big_v, sigma = _row_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, blocks,
+                                             bmask, cols, offs, mask, period, ncols,
+                                             ncols_magic, ncols_shift, bc2, bc1, eps, OFFS64)
+    else:
+        p, big_v, sigma = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
+                                         ncols, ncols_magic, ncols_shift, bc2, bc1, eps, True,
+                                         OFFS64)
+    return offs, mask, m, p, big_v, sigma
+
+
+@jit
 def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
                  table_ptr, num_blocks, period, ncols, ncols_magic, ncols_shift, b1, omb1, b2,
                  omb2, eps, lr, bc2, bc1, decay, seed_u, BPP: tl.constexpr, P2: tl.constexpr,
                  FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                 STEPS: tl.constexpr, OFFS64: tl.constexpr, IN_ROW: tl.constexpr):
+                 STEPS: tl.constexpr, OFFS64: tl.constexpr, IN_ROW: tl.constexpr,
+                 TAIL: tl.constexpr):
     """The tile route's work for program ``pid`` of one tensor: blocks
     ``[pid * BPP, (pid + 1) * BPP)`` as a ``[BPP, P2]`` register tile. ``OFFS64``: int64
     offsets, else int32 (``pid``, ``num_blocks`` and ``period`` must then be int32).
-    ``IN_ROW``: :func:`blocks_in_rows` holds (factored mode only)."""
+    ``IN_ROW``: :func:`blocks_in_rows` holds (factored mode only).
+
+    ``TAIL > 0`` (factored mode, :func:`tile_shape`): the blocks are held as a
+    ``[BPP, P2 // 2]`` head, every lane inside the block, and a ``[BPP, TAIL]`` tail for the
+    rest, so a period just above a power of two runs on ``P2 / 2 + TAIL`` lanes instead of
+    ``P2`` (masked lanes execute the arithmetic too): 1152 on 1152 lanes, not 2048. The same
+    bits as the one tile (a max does not depend on its order, and factored mode has no block
+    sum)."""
     period = _index(period, OFFS64)
     num_blocks = _index(num_blocks, OFFS64)
     blocks = _index(pid, OFFS64) * BPP + _index(tl.arange(0, BPP), OFFS64)
-    cols = _index(tl.arange(0, P2), OFFS64)
-    bmask = blocks < num_blocks
-    mask = bmask[:, None] & (cols < period)[None, :]
-    offs = blocks[:, None] * period + cols[None, :]
-    s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
-    g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
-    if FACTORED and IN_ROW:
-        p, big_v, sigma_elem = _row_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, blocks,
-                                                  bmask, cols, offs, mask, period, ncols,
-                                                  ncols_magic, ncols_shift, bc2, bc1, eps,
-                                                  OFFS64)
+    if TAIL == 0:
+        cols = _index(tl.arange(0, P2), OFFS64)
+        bmask = blocks < num_blocks
+        mask = bmask[:, None] & (cols < period)[None, :]
+        offs = blocks[:, None] * period + cols[None, :]
+        s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
+        g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
+        if FACTORED and IN_ROW:
+            p, big_v, sigma_elem = _row_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr,
+                                                      blocks, bmask, cols, offs, mask, period,
+                                                      ncols, ncols_magic, ncols_shift, bc2, bc1,
+                                                      eps, OFFS64)
+        else:
+            p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs,
+                                                  mask, ncols, ncols_magic, ncols_shift, bc2,
+                                                  bc1, eps, FACTORED, OFFS64)
+        s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
+        sigma = s_new  # unused in factored mode
+        if not FACTORED:
+            v_old = tl.load(v_ptr + blocks, mask=bmask, other=0.0)
+            v_new, sigma = _block_sigma(tl.sum(g * g, axis=1), v_old, period, b2, omb2, eps,
+                                        bc2, bc1)
+            tl.store(v_ptr + blocks, v_new, mask=bmask)
+        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], sigma[:, None],
+               p, big_v, sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
+        tl.store(s_ptr + blocks, s_new, mask=bmask)
     else:
-        p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
-                                              ncols, ncols_magic, ncols_shift, bc2, bc1, eps,
-                                              FACTORED, OFFS64)
-    s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
-    sigma = s_new  # unused in factored mode
-    if not FACTORED:
-        v_old = tl.load(v_ptr + blocks, mask=bmask, other=0.0)
-        v_new, sigma = _block_sigma(tl.sum(g * g, axis=1), v_old, period, b2, omb2, eps, bc2,
-                                    bc1)
-        tl.store(v_ptr + blocks, v_new, mask=bmask)
-    _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], sigma[:, None], p,
-           big_v, sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
-    tl.store(s_ptr + blocks, s_new, mask=bmask)
+        tl.static_assert(FACTORED, "a head and a tail piece in factored mode only (tile_shape)")
+        bmask = blocks < num_blocks
+        s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
+        offs, mask, m, p, big_v, sigma_elem = _tile_piece(
+            p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask,
+            _index(tl.arange(0, P2 // 2), OFFS64), s_old, period, ncols, ncols_magic,
+            ncols_shift, b1, omb1, bc2, bc1, eps, MAXIMIZE, OFFS64, IN_ROW)
+        offs_t, mask_t, m_t, p_t, big_v_t, sigma_t = _tile_piece(
+            p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask,
+            _index(tl.arange(0, TAIL) + P2 // 2, OFFS64), s_old, period, ncols, ncols_magic,
+            ncols_shift, b1, omb1, bc2, bc1, eps, MAXIMIZE, OFFS64, IN_ROW)
+        # tl_nan_max over both pieces: a NaN in either makes the block's scale NaN.
+        s_max = tl.maximum(tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1),
+                           tl.max(tl.where(mask_t, tl.abs(m_t), 0.0), axis=1))
+        any_nan = tl.maximum(tl.max((mask & (m != m)).to(tl.int32), axis=1),
+                             tl.max((mask_t & (m_t != m_t)).to(tl.int32), axis=1))
+        s_new = tl.where(any_nan > 0, float("nan"), s_max)
+        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], s_new[:, None], p,
+               big_v, sigma_elem, lr, decay, seed_u, True, STOCHASTIC, STEPS)
+        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs_t, mask_t, m_t, s_new[:, None],
+               s_new[:, None], p_t, big_v_t, sigma_t, lr, decay, seed_u, True, STOCHASTIC, STEPS)
+        tl.store(s_ptr + blocks, s_new, mask=bmask)
 
 
 # num_blocks only bounds masks: specialising it (== 1, % 16) would only multiply the compiled
@@ -323,14 +376,14 @@ def _step_tile_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                       BPP: tl.constexpr, P2: tl.constexpr, FACTORED: tl.constexpr,
                       MAXIMIZE: tl.constexpr, STOCHASTIC: tl.constexpr, HYPER: tl.constexpr,
                       SEED_PTR: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr,
-                      IN_ROW: tl.constexpr):
+                      IN_ROW: tl.constexpr, TAIL: tl.constexpr):
     """Tile route: program ``pid`` owns blocks ``[pid * BPP, (pid + 1) * BPP)``."""
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, HYPER)
     _tile_blocks(tl.program_id(0), p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr,
                  col_ptr, inv_rbar_ptr, cb_ptr, table_ptr, num_blocks, period, ncols, ncols_magic,
                  ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay,
                  _load_seed(seed_ptr, seed, SEED_PTR), BPP,
-                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64, IN_ROW)
+                 P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64, IN_ROW, TAIL)
 
 
 @jit(do_not_specialize=["seed", "num_blocks", "ncols_magic", "ncols_shift"])
@@ -451,6 +504,27 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def tile_shape(period: int, factored: bool) -> tuple[int, int, int]:
+    """``(P2, BPP, TAIL)`` of the tile route (the constexprs of :func:`_tile_blocks`): ``P2``
+    the next power of two at or above ``period``, ``BPP`` blocks per program, and ``TAIL`` the
+    width of the tail piece, or 0 for one ``[BPP, P2]`` tile.
+
+    In factored mode a period with ``P2 / 2 < P <= 5 P2 / 8`` is held as a ``P2 / 2`` head and
+    a tail of the next power of two at or above ``P - P2 / 2`` lanes, where that is at least
+    16: 1152 (GPT-2's most common searched period) runs on 1024 + 128 lanes instead of 2048.
+    On the H200 this took the factored tile kernel from 0.589 to 0.357 ms at P = 1152
+    (``docs/results/h200-2026-11-30-session13/call2_ablation.txt``); periods nearer ``3 P2 / 4``
+    gained little or nothing there, and block mode's sum of squares would change order."""
+    p2 = _next_pow2(period)
+    bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
+    tail = 0
+    if factored and p2 // 2 < period <= 5 * p2 // 8:
+        tail = _next_pow2(period - p2 // 2)
+        if tail < 16:
+            tail = 0
+    return p2, bpp, tail
+
+
 def choose_route(num_blocks: int, period: int, device: torch.device) -> str:
     """Performance-only routing (all routes give the same codes and scales)."""
     if period <= TILE_MAX_PERIOD:
@@ -500,15 +574,14 @@ def launch_step(
     magic, shift = ncols_divider(ncols)
     route = route or choose_route(num_blocks, period, param.device)
     if route == "tile":
-        p2 = _next_pow2(period)
-        bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
+        p2, bpp, tail = tile_shape(period, factored)
         grid = (triton.cdiv(num_blocks, bpp),)
         _step_tile_kernel[grid](
             flat_p, flat_g, codes, scale, v_ptr, row_ptr, col_ptr, inv_ptr, codebook, table,
             hyper_ptr, seed_ptr, num_blocks, period, ncols, magic, shift, b1, f32(1.0 - b1), b2,
             f32(1.0 - b2), f32(eps), scal["lr"], scal["bc2"], scal["bc1"], scal["decay"],
             to_signed64(seed), BPP=bpp, P2=p2, **common, **flags,
-            IN_ROW=blocks_in_rows(factored, period, ncols),
+            IN_ROW=blocks_in_rows(factored, period, ncols), TAIL=tail,
             num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
     elif route == "loop":
         _step_loop_kernel[(num_blocks,)](
@@ -552,4 +625,4 @@ def launch_step(
 
 
 __all__ = ["blocks_in_rows", "choose_route", "denominator", "launch_step", "ncols_divider",
-           "tile_warps"]
+           "tile_shape", "tile_warps"]

@@ -169,7 +169,7 @@ class _Launches:
         # The address the class's gradient offsets are measured from (StepGroups.__init__).
         self.g_anchor = torch.empty(self.g_vec, dtype=key[2], device=device)
         self.consts = ({} if self.stats_only else
-                       {k: first._consts[k] for k in ("BPP", "P2", "MAXIMIZE", "STOCHASTIC",
+                       {k: first._consts[k] for k in ("BPP", "P2", "TAIL", "MAXIMIZE", "STOCHASTIC",
                                                       "STEPS", "OFFS64", "IN_ROW",
                                                       "num_warps")})
         self.layout = first._stats_layout
@@ -314,7 +314,8 @@ class StepGroups:
                 continue
             c = plan._consts
             layout = plan._stats_layout[:2] if plan._stats_layout is not None else None
-            tile = None if _stats_only(plan) else (c["P2"], c["BPP"], c["OFFS64"], c["IN_ROW"])
+            tile = (None if _stats_only(plan) else
+                    (c["P2"], c["BPP"], c["TAIL"], c["OFFS64"], c["IN_ROW"]))
             key = (plan.factored, plan.dtype, grad.dtype, tile, layout, _class_specs(plan))
             classes.setdefault(key, []).append(i)
         self._classes = [_Launches(key, members, plans, self.device)
@@ -519,7 +520,7 @@ class StepGroups:
                     chunk["meta"], chunk["tile"], gptr, p_base, g_base, q_base, f_base,
                     codebook if scratch is None else scratch, codebook, first._table,
                     hyper, seed_table, b1, omb1, b2, omb2, eps, P_VEC=cls.p_vec,
-                    G_VEC=cls.g_vec, BPP=c["BPP"], P2=c["P2"],
+                    G_VEC=cls.g_vec, BPP=c["BPP"], P2=c["P2"], TAIL=c["TAIL"],
                     FACTORED=cls.factored, MAXIMIZE=c["MAXIMIZE"], STOCHASTIC=c["STOCHASTIC"],
                     STEPS=c["STEPS"], OFFS64=c["OFFS64"], IN_ROW=c["IN_ROW"], SPEC_PERIOD=sp[0],
                     SPEC_NCOLS=sp[1], num_warps=c["num_warps"], **LAUNCH_OPTIONS)

@@ -25,13 +25,11 @@ import torch
 from torch import Tensor
 
 from .._numerics import f32, to_signed64
-from .._triton import program_elements, require_triton
+from .._triton import require_triton
 from ._dispatch import check_device_for_triton
 from ._search_table import kernel_table
 from ._step_kernels import (
     LOOP_TILE,
-    TILE_ELEMENTS,
-    _next_pow2,
     _step_loop_kernel,
     _step_tile_kernel,
     blocks_in_rows,
@@ -39,6 +37,7 @@ from ._step_kernels import (
     launch_step,
     ncols_divider,
     needs_int64,
+    tile_shape,
     tile_warps,
 )
 from ._triton_helpers import LAUNCH_OPTIONS
@@ -112,11 +111,10 @@ class StepPlan:
             HYPER=capturable, SEED_PTR=capturable, STEPS=steps,
             OFFS64=needs_int64(num_blocks, period))
         if self.route == "tile":
-            p2 = _next_pow2(period)
-            bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
+            p2, bpp, tail = tile_shape(period, self.factored)
             self._kernel = _step_tile_kernel
             self._grid: tuple[int, ...] | None = (-(-num_blocks // bpp),)
-            consts.update(BPP=bpp, P2=p2, num_warps=tile_warps(bpp * p2),
+            consts.update(BPP=bpp, P2=p2, TAIL=tail, num_warps=tile_warps(bpp * p2),
                           IN_ROW=blocks_in_rows(self.factored, period, self.ncols))
         elif self.route == "loop":
             self._kernel = _step_loop_kernel

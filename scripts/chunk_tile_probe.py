@@ -45,10 +45,37 @@ from gefen_kernels.ops._triton_helpers import LAUNCH_OPTIONS
 
 
 @triton.jit
-def _chunk_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr,  # type: ignore[no-untyped-def]
-                  table_ptr, num_blocks, period, k_blocks, ncols, ncols_magic, ncols_shift, b1,
-                  omb1, b2, omb2, eps, lr, bc2, bc1, decay, NCH: tl.constexpr,
-                  KP2: tl.constexpr, FACTORED: tl.constexpr, STEPS: tl.constexpr):
+def _chunk_kernel(  # type: ignore[no-untyped-def]
+    p_ptr,
+    g_ptr,
+    q_ptr,
+    s_ptr,
+    v_ptr,
+    row_ptr,
+    col_ptr,
+    inv_rbar_ptr,
+    cb_ptr,
+    table_ptr,
+    num_blocks,
+    period,
+    k_blocks,
+    ncols,
+    ncols_magic,
+    ncols_shift,
+    b1,
+    omb1,
+    b2,
+    omb2,
+    eps,
+    lr,
+    bc2,
+    bc1,
+    decay,
+    NCH: tl.constexpr,
+    KP2: tl.constexpr,
+    FACTORED: tl.constexpr,
+    STEPS: tl.constexpr,
+):
     """Program ``pid`` steps blocks ``[pid K, pid K + K)`` (``K = k_blocks``)."""
     blk0 = tl.program_id(0) * k_blocks
     nblk = tl.minimum(k_blocks, num_blocks - blk0)
@@ -88,8 +115,26 @@ def _chunk_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_rbar_
         v_new, sig_blk = _block_sigma(bsum, v_old, period, b2, omb2, eps, bc2, bc1)
         tl.store(v_ptr + blk0 + segs, v_new, mask=bvalid)
         sigma = tl.sum(tl.where(sel, sig_blk[:, None], 0.0), axis=0)
-    _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], sigma[:, None], p,
-           big_v, sigma_elem, lr, decay, 0, FACTORED, False, STEPS)
+    _apply(
+        p_ptr,
+        q_ptr,
+        cb_ptr,
+        table_ptr,
+        offs,
+        mask,
+        m,
+        s_new[:, None],
+        sigma[:, None],
+        p,
+        big_v,
+        sigma_elem,
+        lr,
+        decay,
+        0,
+        FACTORED,
+        False,
+        STEPS,
+    )
     tl.store(s_ptr + blk0 + segs, s_blk, mask=bvalid)
 
 
@@ -104,12 +149,38 @@ def _launch(case: Case, nch: int) -> None:
     lr, bc2, bc1, decay = args[-4:]
     dummy = case.codebook
     _chunk_kernel[(triton.cdiv(num_blocks, k_blocks),)](
-        case.p, case.g, case.codes, case.scale, case.sq if case.sq is not None else dummy,
-        case.row if case.row is not None else dummy, case.col if case.col is not None else dummy,
-        case.inv_rbar if case.inv_rbar is not None else dummy, case.codebook, case.plan._table,
-        num_blocks, period, k_blocks, ncols, magic, shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1,
-        decay, NCH=nch, KP2=triton.next_power_of_2(k_blocks), FACTORED=case.factored,
-        STEPS=case.plan._consts["STEPS"], num_warps=max(1, nch // 32), **LAUNCH_OPTIONS)
+        case.p,
+        case.g,
+        case.codes,
+        case.scale,
+        case.sq if case.sq is not None else dummy,
+        case.row if case.row is not None else dummy,
+        case.col if case.col is not None else dummy,
+        case.inv_rbar if case.inv_rbar is not None else dummy,
+        case.codebook,
+        case.plan._table,
+        num_blocks,
+        period,
+        k_blocks,
+        ncols,
+        magic,
+        shift,
+        b1,
+        omb1,
+        b2,
+        omb2,
+        eps,
+        lr,
+        bc2,
+        bc1,
+        decay,
+        NCH=nch,
+        KP2=triton.next_power_of_2(k_blocks),
+        FACTORED=case.factored,
+        STEPS=case.plan._consts["STEPS"],
+        num_warps=max(1, nch // 32),
+        **LAUNCH_OPTIONS,
+    )
 
 
 # (rows, columns, period): GPT-2's searched periods on its column counts (taller than its
@@ -122,17 +193,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20, help="launches timed per round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--chunks", default="128,256,512",
-                        help="chunks of 16 elements per program (32 per warp)")
+    parser.add_argument(
+        "--chunks", default="128,256,512", help="chunks of 16 elements per program (32 per warp)"
+    )
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     kernel_ablation.DEVICE = torch.device(args.device)
     cuda = args.device == "cuda"
     if cuda:
-        print(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, "
-              f"torch {torch.__version__}")
-    print(f"{args.rounds} interleaved rounds of {args.reps} launches: the median round (ms) "
-          f"and its range; % of a copy of the same 8 B/param")
+        print(
+            f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, "
+            f"torch {torch.__version__}"
+        )
+    print(
+        f"{args.rounds} interleaved rounds of {args.reps} launches: the median round (ms) "
+        f"and its range; % of a copy of the same 8 B/param"
+    )
     print(f"\n{'case':34s} {'variant':16s} {'ms':>7s} {'range':>15s} {'% copy':>7s}  check")
     prod = importlib.import_module("gefen_kernels.ops._step_kernels")
     for rows, cols, period in CASES if cuda else CPU_CASES:
@@ -150,7 +226,8 @@ def main() -> None:
             for nch in (int(x) for x in args.chunks.split(",")):
                 if nch * 16 >= period:
                     runs[f"chunks={nch} K={nch * 16 // period}"] = functools.partial(
-                        _launch, case, nch)
+                        _launch, case, nch
+                    )
             times: dict[str, list[float]] = {name: [] for name in runs}
             failed: dict[str, str] = {}
             for _ in range(args.rounds):
@@ -168,8 +245,10 @@ def main() -> None:
                 check = "" if name == "production" else _compare(case, run)
                 ts = sorted(times[name])
                 ms = ts[len(ts) // 2]
-                print(f"{tag:34s} {name:16s} {ms:7.3f} {ts[0]:7.3f}-{ts[-1]:<7.3f} "
-                      f"{copy_ms / ms:7.0%}  {check}")
+                print(
+                    f"{tag:34s} {name:16s} {ms:7.3f} {ts[0]:7.3f}-{ts[-1]:<7.3f} "
+                    f"{copy_ms / ms:7.0%}  {check}"
+                )
                 sys.stdout.flush()
             case = None  # type: ignore[assignment]
             if cuda:

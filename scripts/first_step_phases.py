@@ -56,6 +56,7 @@ def _phases(model: str, repeats: int, top: int, kernels: int, callers: str) -> N
 
     dev = torch.device("cuda")
     named = build_param_set(shapes_for(model, "full"), device=dev, dtype=torch.bfloat16)
+
     def first_step_ms(empty_cache: bool) -> float:
         opt = Gefen(named, lr=1e-4, weight_decay=0.0)
         torch.cuda.synchronize()
@@ -97,10 +98,16 @@ def _phases(model: str, repeats: int, top: int, kernels: int, callers: str) -> N
     finally:
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
-    print(f"\n=== {model}: first step of fresh optimizers, kernels loaded: "
-          + " / ".join(f"{t:.1f}" for t in plain[1:]) + " ms (unsynchronised)")
-    print("the same after torch.cuda.empty_cache() (the allocator's cudaMalloc calls again): "
-          + " / ".join(f"{t:.1f}" for t in cold) + " ms")
+    print(
+        f"\n=== {model}: first step of fresh optimizers, kernels loaded: "
+        + " / ".join(f"{t:.1f}" for t in plain[1:])
+        + " ms (unsynchronised)"
+    )
+    print(
+        "the same after torch.cuda.empty_cache() (the allocator's cudaMalloc calls again): "
+        + " / ".join(f"{t:.1f}" for t in cold)
+        + " ms"
+    )
     print(f"with a sync around each phase: {total:.1f} ms")
     accounted = 0.0
     for label, seconds in totals.items():
@@ -129,22 +136,38 @@ def _phases(model: str, repeats: int, top: int, kernels: int, callers: str) -> N
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kprof:
             opt.step()
             torch.cuda.synchronize()
-        print(kprof.key_averages().table(sort_by="self_device_time_total", row_limit=kernels,
-                                         max_name_column_width=60))
+        print(
+            kprof.key_averages().table(
+                sort_by="self_device_time_total", row_limit=kernels, max_name_column_width=60
+            )
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,llama")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
-                        help="also print the N functions with the most own time under cProfile")
-    parser.add_argument("--callers", default="", metavar="REGEX",
-                        help="with --cprofile, also print who called the functions matching "
-                             "REGEX (e.g. the blocking reads: 'tolist|method .to. ')")
-    parser.add_argument("--kernels", type=int, default=0, metavar="N",
-                        help="also print the N kernels with the most device time "
-                             "(torch.profiler)")
+    parser.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print the N functions with the most own time under cProfile",
+    )
+    parser.add_argument(
+        "--callers",
+        default="",
+        metavar="REGEX",
+        help="with --cprofile, also print who called the functions matching "
+        "REGEX (e.g. the blocking reads: 'tolist|method .to. ')",
+    )
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print the N kernels with the most device time (torch.profiler)",
+    )
     args = parser.parse_args()
     for model in args.models.split(","):
         _phases(model.strip(), args.repeats, args.cprofile, args.kernels, args.callers)

@@ -168,7 +168,8 @@ VARIANTS["flat_k"] = (
 TABLE_LAYOUTS: dict[str, Any] = {
     # head and pair of bucket b at 2b and 2b + 1 (the staged section, if any, after them)
     "interleaved": lambda t: torch.cat(
-        [t[:8192].view(2, -1).t().contiguous().reshape(-1), t[8192:]]),
+        [t[:8192].view(2, -1).t().contiguous().reshape(-1), t[8192:]]
+    ),
 }
 VARIANTS["base_again"] = ("candidate: production timed a second time (the spread)", [])
 # The tile route's head and tail pieces (tile_shape's TAIL, factored mode): one_tile is the
@@ -176,7 +177,9 @@ VARIANTS["base_again"] = ("candidate: production timed a second time (the spread
 # (P2 / 2, 3 P2 / 4], where production takes one only up to 5 P2 / 8.
 VARIANTS["one_tile"] = ("candidate: one [BPP, P2] tile per block, no tail piece (TAIL=0)", [])
 VARIANTS["any_tail"] = (
-    "candidate (factored): a tail piece for every period in (P2 / 2, 3 P2 / 4]", [])
+    "candidate (factored): a tail piece for every period in (P2 / 2, 3 P2 / 4]",
+    [],
+)
 
 
 def _any_tail(period: int) -> dict[str, int]:
@@ -192,8 +195,17 @@ VARIANTS["all_ablations"] = (
     [
         p
         for name, (_, ps) in VARIANTS.items()
-        if name not in ("base", "load_cb", "pair_load", "interleaved", "head_lookup", "flat_k",
-                        "one_tile", "any_tail")
+        if name
+        not in (
+            "base",
+            "load_cb",
+            "pair_load",
+            "interleaved",
+            "head_lookup",
+            "flat_k",
+            "one_tile",
+            "any_tail",
+        )
         for p in ps
     ],
 )
@@ -392,12 +404,23 @@ def _periods() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30, help="launches timed per round")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="rounds over all variants; the median round is reported")
-    parser.add_argument("--periods", default="2048,256",
-                        help="block periods of the cases (each must divide rows x 8192)")
-    parser.add_argument("--rows", type=int, default=8192,
-                        help="rows of the [rows, 8192] parameter (8190: periods 1536 and 1152)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds over all variants; the median round is reported",
+    )
+    parser.add_argument(
+        "--periods",
+        default="2048,256",
+        help="block periods of the cases (each must divide rows x 8192)",
+    )
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=8192,
+        help="rows of the [rows, 8192] parameter (8190: periods 1536 and 1152)",
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--no-periods", action="store_true")
     parser.add_argument(
@@ -406,8 +429,9 @@ def main() -> None:
         help="one production launch per case and nothing else (run under ncu)",
     )
     parser.add_argument(
-        "--device", default="cuda",
-        help="cpu: a smoke run under TRITON_INTERPRET=1 (8 rows unless --rows says otherwise)"
+        "--device",
+        default="cuda",
+        help="cpu: a smoke run under TRITON_INTERPRET=1 (8 rows unless --rows says otherwise)",
     )
     args = parser.parse_args()
     global DEVICE, ROWS
@@ -469,12 +493,15 @@ def main() -> None:
                     rows.append((tag, name, ts[len(ts) // 2], ts[0], ts[-1], same))
                 case = None  # type: ignore[assignment]
                 torch.cuda.empty_cache()
-        print(f"\n{args.rounds} interleaved rounds of {args.reps} launches: the median round "
-              f"(ms), its range, % of copy")
+        print(
+            f"\n{args.rounds} interleaved rounds of {args.reps} launches: the median round "
+            f"(ms), its range, % of copy"
+        )
         print(f"{'case':36s} {'variant':18s} {'ms':>7s} {'range':>15s} {'% copy':>7s}  check")
         for tag, name, ms, lo, hi, same in rows:
-            print(f"{tag:36s} {name:18s} {ms:7.3f} {lo:7.3f}-{hi:<7.3f} {copy_ms / ms:7.0%}  "
-                  f"{same}")
+            print(
+                f"{tag:36s} {name:18s} {ms:7.3f} {lo:7.3f}-{hi:<7.3f} {copy_ms / ms:7.0%}  {same}"
+            )
     finally:
         _cleanup()
         sys.stdout.flush()

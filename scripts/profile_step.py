@@ -133,8 +133,9 @@ def _print_launches(opt) -> None:  # type: ignore[no-untyped-def]
         for p in group["params"]:
             st = opt.state[p]
             if "exp_avg_codes" in st:
-                census[(tuple(p.shape), int(st["exp_avg_codes"].shape[1]),
-                        "exp_avg_sq_row" in st)] += 1
+                census[
+                    (tuple(p.shape), int(st["exp_avg_codes"].shape[1]), "exp_avg_sq_row" in st)
+                ] += 1
     print("--- parameters (shape, period, factored): count")
     for key, count in sorted(census.items(), key=lambda kv: -kv[1] * torch.Size(kv[0][0]).numel()):
         print(f"  {key}: {count}")
@@ -149,8 +150,11 @@ def main() -> None:
         default="factored,block",
         help="second-moment modes, comma-separated (factored, block)",
     )
-    parser.add_argument("--launches", action="store_true",
-                        help="also list each kernel of one steady step, and the periods")
+    parser.add_argument(
+        "--launches",
+        action="store_true",
+        help="also list each kernel of one steady step, and the periods",
+    )
     args = parser.parse_args()
     modes = args.modes.split(",")
     if not set(modes) <= {"factored", "block"}:

@@ -60,20 +60,50 @@ W = 256  # width of the [N / W, W] views the descriptors read
 
 
 @triton.jit
-def _tma_tile_kernel(p_desc, g_desc, q_desc, k_desc, p_out_ptr, q_ptr, s_ptr, v_ptr,  # type: ignore[no-untyped-def]
-                     row_ptr, inv_rbar_ptr, cb_ptr, table_ptr, hyper_ptr, num_blocks, period,
-                     ncols, ncols_magic, ncols_shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay,
-                     R: tl.constexpr, FACTORED: tl.constexpr, STEPS: tl.constexpr,
-                     NS: tl.constexpr, HOIST: tl.constexpr, TMA_STORE: tl.constexpr):
+def _tma_tile_kernel(  # type: ignore[no-untyped-def]
+    p_desc,
+    g_desc,
+    q_desc,
+    k_desc,
+    p_out_ptr,
+    q_ptr,
+    s_ptr,
+    v_ptr,
+    row_ptr,
+    inv_rbar_ptr,
+    cb_ptr,
+    table_ptr,
+    hyper_ptr,
+    num_blocks,
+    period,
+    ncols,
+    ncols_magic,
+    ncols_shift,
+    b1,
+    omb1,
+    b2,
+    omb2,
+    eps,
+    lr,
+    bc2,
+    bc1,
+    decay,
+    R: tl.constexpr,
+    FACTORED: tl.constexpr,
+    STEPS: tl.constexpr,
+    NS: tl.constexpr,
+    HOIST: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+):
     """Blocks ``pid, pid + programs, ...``; block ``b`` is rows ``[b R, (b + 1) R)`` of the
     ``[N / 256, 256]`` views (``R = P / 256``)."""
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, False)
     # HOIST: the codebook and the staged section in registers once per program, not per block.
     cb = tl.load(cb_ptr + tl.arange(0, 256))
-    words = tl.load(table_ptr.to(tl.pointer_type(tl.int32)) + STAGED_CODES32
-                    + tl.arange(0, 1024))
-    thresholds = tl.load(table_ptr.to(tl.pointer_type(tl.float32)) + STAGED_THRESHOLDS32
-                         + tl.arange(0, 256))
+    words = tl.load(table_ptr.to(tl.pointer_type(tl.int32)) + STAGED_CODES32 + tl.arange(0, 1024))
+    thresholds = tl.load(
+        table_ptr.to(tl.pointer_type(tl.float32)) + STAGED_THRESHOLDS32 + tl.arange(0, 256)
+    )
     offs = tl.arange(0, R)[:, None] * 256 + tl.arange(0, 256)[None, :]
     for blk in tl.range(tl.program_id(0), num_blocks, tl.num_programs(0), num_stages=NS):
         g = g_desc.load([blk * R, 0]).to(tl.float32)
@@ -91,8 +121,9 @@ def _tma_tile_kernel(p_desc, g_desc, q_desc, k_desc, p_out_ptr, q_ptr, s_ptr, v_
             big_v, sigma = _factored_sigma(r, k, inv_rbar_ptr, bc2, bc1, eps)
         else:
             sumsq = tl.sum(tl.sum(g * g, axis=1), axis=0)
-            v_new, sigma = _block_sigma(sumsq, tl.load(v_ptr + blk), period, b2, omb2, eps,
-                                        bc2, bc1)
+            v_new, sigma = _block_sigma(
+                sumsq, tl.load(v_ptr + blk), period, b2, omb2, eps, bc2, bc1
+            )
             tl.store(v_ptr + blk, v_new)
             big_v = sigma
         absm = tl.abs(m)
@@ -123,8 +154,7 @@ def _tma_tile_kernel(p_desc, g_desc, q_desc, k_desc, p_out_ptr, q_ptr, s_ptr, v_
         tl.store(s_ptr + blk, s_new)
 
 
-def _launch(case: Case, stages: int, per_sm: int, warps: int, hoist: bool,
-            tma_store: bool) -> None:
+def _launch(case: Case, stages: int, per_sm: int, warps: int, hoist: bool, tma_store: bool) -> None:
     """One candidate step on ``case``'s state (its production arguments, re-packed)."""
     period = case.period
     rows = period // W
@@ -133,8 +163,7 @@ def _launch(case: Case, stages: int, per_sm: int, warps: int, hoist: bool,
     g_d = TensorDescriptor(case.g.view(-1, W), [n // W, W], [W, 1], [rows, W])
     q_d = TensorDescriptor(case.codes.view(-1, W), [n // W, W], [W, 1], [rows, W])
     if case.col is not None:
-        k_d = TensorDescriptor(case.col.view(-1, W), [case.col.numel() // W, W], [W, 1],
-                               [rows, W])
+        k_d = TensorDescriptor(case.col.view(-1, W), [case.col.numel() // W, W], [W, 1], [rows, W])
     else:  # block mode never reads it
         k_d = g_d
     args = case.args()
@@ -149,13 +178,42 @@ def _launch(case: Case, stages: int, per_sm: int, warps: int, hoist: bool,
     grid = (min(num_blocks, sms * per_sm),)
     dummy = case.codebook
     _tma_tile_kernel[grid](
-        p_d, g_d, q_d, k_d, case.p, case.codes, case.scale,
+        p_d,
+        g_d,
+        q_d,
+        k_d,
+        case.p,
+        case.codes,
+        case.scale,
         case.sq if case.sq is not None else dummy,
         case.row if case.row is not None else dummy,
-        case.inv_rbar if case.inv_rbar is not None else dummy, case.codebook, case.plan._table,
-        dummy, num_blocks, period, 8192, magic, shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1,
-        decay, R=rows, FACTORED=case.factored, STEPS=case.plan._consts["STEPS"], NS=stages,
-        HOIST=hoist, TMA_STORE=tma_store, num_warps=warps, **LAUNCH_OPTIONS)
+        case.inv_rbar if case.inv_rbar is not None else dummy,
+        case.codebook,
+        case.plan._table,
+        dummy,
+        num_blocks,
+        period,
+        8192,
+        magic,
+        shift,
+        b1,
+        omb1,
+        b2,
+        omb2,
+        eps,
+        lr,
+        bc2,
+        bc1,
+        decay,
+        R=rows,
+        FACTORED=case.factored,
+        STEPS=case.plan._consts["STEPS"],
+        NS=stages,
+        HOIST=hoist,
+        TMA_STORE=tma_store,
+        num_warps=warps,
+        **LAUNCH_OPTIONS,
+    )
 
 
 def _compare(case: Case, run: functools.partial) -> str:  # type: ignore[type-arg]
@@ -174,8 +232,13 @@ def _compare(case: Case, run: functools.partial) -> str:  # type: ignore[type-ar
     names = ["param", "codes", "scale", "exp_avg_sq"]
     diffs = []
     for name, a, b in zip(names, expect, got):
-        bits = (torch.int32 if a.dtype == torch.float32 else
-                torch.int16 if a.element_size() == 2 else torch.uint8)
+        bits = (
+            torch.int32
+            if a.dtype == torch.float32
+            else torch.int16
+            if a.element_size() == 2
+            else torch.uint8
+        )
         n_diff = int((a.view(bits) != b.view(bits)).sum())
         if n_diff:
             diffs.append(f"{name} {n_diff}")
@@ -188,10 +251,14 @@ def main() -> None:
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--per-sm", default="2,4,8")
     parser.add_argument("--warps", default="4")
-    parser.add_argument("--hoist", default="0,1",
-                        help="0: codebook and tables loaded per block, 1: once per program")
-    parser.add_argument("--tma-store", default="0,1",
-                        help="1: codes and parameters stored through the descriptors")
+    parser.add_argument(
+        "--hoist",
+        default="0,1",
+        help="0: codebook and tables loaded per block, 1: once per program",
+    )
+    parser.add_argument(
+        "--tma-store", default="0,1", help="1: codes and parameters stored through the descriptors"
+    )
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     kernel_ablation.DEVICE = torch.device(args.device)
@@ -202,8 +269,10 @@ def main() -> None:
         dst = torch.empty_like(src)
         copy_ms = _time(functools.partial(dst.copy_, src), args.reps)
         del src, dst
-        print(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, "
-              f"torch {torch.__version__}")
+        print(
+            f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, "
+            f"torch {torch.__version__}"
+        )
         print(f"copy of 8 B/param for {n} elements: {copy_ms:.3f} ms")
     else:
         copy_ms = float("nan")
@@ -216,9 +285,12 @@ def main() -> None:
         ms = _time(functools.partial(case.launch, prod), args.reps)
         print(f"{tag:22s} {'production':28s} {ms:7.3f} {copy_ms / ms:7.0%}")
         configs = itertools.product(
-            (int(w) for w in args.warps.split(",")), (int(x) for x in args.stages.split(",")),
-            (int(x) for x in args.per_sm.split(",")), (bool(int(x)) for x in args.hoist.split(",")),
-            (bool(int(x)) for x in args.tma_store.split(",")))
+            (int(w) for w in args.warps.split(",")),
+            (int(x) for x in args.stages.split(",")),
+            (int(x) for x in args.per_sm.split(",")),
+            (bool(int(x)) for x in args.hoist.split(",")),
+            (bool(int(x)) for x in args.tma_store.split(",")),
+        )
         for warps, stages, per_sm, hoist, tma_store in configs:
             run = functools.partial(_launch, case, stages, per_sm, warps, hoist, tma_store)
             try:
@@ -226,8 +298,10 @@ def main() -> None:
                 check = _compare(case, run)
             except Exception as exc:  # a configuration that does not compile or fit
                 ms, check = float("nan"), f"failed: {type(exc).__name__}: {exc}"[:160]
-            name = (f"s={stages} {per_sm}/SM w={warps}{' hoist' if hoist else ''}"
-                    f"{' tma-st' if tma_store else ''}")
+            name = (
+                f"s={stages} {per_sm}/SM w={warps}{' hoist' if hoist else ''}"
+                f"{' tma-st' if tma_store else ''}"
+            )
             print(f"{tag:22s} {name:28s} {ms:7.3f} {copy_ms / ms:7.0%}  {check}")
             sys.stdout.flush()
         case = None  # type: ignore[assignment]

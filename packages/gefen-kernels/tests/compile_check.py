@@ -308,7 +308,9 @@ def scenarios() -> Iterator[Callable[[], None]]:
         original = _step_kernels.needs_int64
         _step_kernels.needs_int64 = lambda *args, **kwargs: True
         try:
-            for nb, period, route in [(64, 16, None), (5, 5003, "loop"), (2, 4099, "split")]:
+            # (3, 1152): the factored launch takes a head and a tail piece (tile_shape).
+            for nb, period, route in [(64, 16, None), (5, 5003, "loop"), (2, 4099, "split"),
+                                      (3, 1152, None)]:
                 q, s, v = block_state(nb, period)
                 for flags in ({}, {"maximize": True, "stochastic_round": True}):
                     launch_step(torch.zeros(nb * period, dtype=torch.bfloat16),
@@ -369,8 +371,8 @@ def scenarios() -> Iterator[Callable[[], None]]:
         original = step_plan.needs_int64
         step_plan.needs_int64 = lambda *args, **kwargs: True
         try:
-            _group_launch([((64, 96), 32), ((7, 13), 7), ((48,), 16)], torch.bfloat16,
-                          torch.bfloat16, cb)
+            _group_launch([((64, 96), 32), ((7, 13), 7), ((48,), 16), ((10, 576), 1152)],
+                          torch.bfloat16, torch.bfloat16, cb)
         finally:
             step_plan.needs_int64 = original
     yield run_groups64

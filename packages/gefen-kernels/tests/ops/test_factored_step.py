@@ -316,13 +316,14 @@ def test_tile_shape_tail(period: int, factored: bool, tail: int) -> None:
         assert p2 // 2 < period <= p2 // 2 + tail < p2
 
 
+@pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("rows,cols,period", [(10, 576, 1152), (6, 2304, 1152), (6, 96, 144)])
 def test_tail_piece_matches_one_tile(monkeypatch: pytest.MonkeyPatch, rows: int, cols: int,
-                                     period: int) -> None:
+                                     period: int, stochastic: bool) -> None:
     """Head and tail against the same step on one ``[BPP, P2]`` tile: the same bits in every
     output (a max does not depend on its order, and factored mode sums nothing per block),
     with a block whose maximum lies in its tail, a NaN in a tail lane and a column whose
-    statistic is zero."""
+    statistic is zero; with stochastic rounding each element keeps its own random draw."""
     dev = _device()
     gen = torch.Generator().manual_seed(period)
     param = torch.randn(rows, cols, generator=gen).to(torch.bfloat16).to(dev)
@@ -333,7 +334,7 @@ def test_tail_piece_matches_one_tile(monkeypatch: pytest.MonkeyPatch, rows: int,
     st = {k: v.to(dev) for k, v in make_state(rows, cols, period, seed=period).items()}
     st["col"][5] = 0.0
     cb = make_codebook(period).to(dev)
-    hp = _hyper(3, 1e-3, 0.01)
+    hp = {**_hyper(3, 1e-3, 0.01), "stochastic_round": stochastic, "seed": 12345}
     assert step_kernels.tile_shape(period, True)[2] > 0
     outs = []
     for one_tile in (False, True):

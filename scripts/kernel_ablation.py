@@ -161,7 +161,8 @@ VARIANTS["head_lookup"] = (
 # where the period divides the column count; call 3 of the session-16 results measured the
 # change as the candidate "k_rows").
 VARIANTS["flat_k"] = (
-    "candidate (factored): row and column statistics gathered per element (before 2026-12-01)",
+    "candidate (factored): row and column statistics gathered per element (before 2026-12-01; "
+    "one-tile periods only, the head-and-tail path keeps IN_ROW)",
     [(_SK, "    if FACTORED and IN_ROW:\n", "    if FACTORED and IN_ROW == 2:\n")],
 )
 # Variants that take the decision table in another layout: variant -> (table -> its table).

@@ -250,11 +250,13 @@ def scenarios() -> Iterator[Callable[[], None]]:
                                 exp_avg_sq=v, row=None, col=None, inv_rbar=None, ncols=1,
                                 codebook=cb, route=route, **hp(**flags))
             yield run
-    # Factored mode: the statistics kernel and the step kernels with FACTORED=True. 1152 and
-    # 144 take a head and a tail piece (tile_shape's TAIL), 288 / 144 with IN_ROW.
+    # Factored mode: the statistics kernel and the step kernels with FACTORED=True. 1152, 144
+    # and 2304 (a 4096-lane tile) take a head and a tail piece (tile_shape's TAIL), 288 / 144
+    # with IN_ROW.
     for rows, cols, period, route in [(1, 1, 1, None), (1, 16, 16, None), (7, 13, 7, None),
                                       (64, 96, 32, None), (16, 1024, 2048, None),
                                       (10, 576, 1152, None), (4, 288, 144, None),
+                                      (9, 1024, 2304, None),
                                       (2048, 64, 1, None), (3, 5003, 5003, "loop"),
                                       (2, 4099, 4099, "split"), (4097, 1, 1, None),
                                       (1, 4097, 4097, None)]:

@@ -284,13 +284,14 @@ def _pair(param, grad, st, cb, *, route=None, split_elements=16384, loop_tile=20
 
 # (64, 96, 32), (12, 64, 16) and (8, 48, 48) take the tile route's per-block row statistic
 # and vector column loads (IN_ROW); (6, 80, 40) (a period not a multiple of 16) and
-# (16, 1024, 2048) (blocks across rows) the per-element form. The last five take a head and
-# a tail piece (tile_shape's TAIL): 1152 and 144 with per-element statistics, 2304 / 1152,
-# 288 / 144 and 1040 / 1040 with IN_ROW, 150 (not a multiple of 16) with a 32-lane tail.
+# (16, 1024, 2048) (blocks across rows) the per-element form. The last eight take a head and
+# a tail piece (tile_shape's TAIL): 1152, 144 and 1024 / 2304 (a 4096-lane tile, 256-lane
+# tail) with per-element statistics, 2304 / 1152, 288 / 144, 1040 / 1040 and 2304 / 2304 with
+# IN_ROW, 150 (not a multiple of 16) with a 32-lane tail.
 PARITY = [(1, 1, 1), (7, 13, 7), (64, 96, 32), (1, 4097, 4097), (4097, 1, 1), (31, 33, 3),
           (16, 1024, 2048), (5, 300, 1500), (12, 64, 16), (8, 48, 48), (6, 80, 40),
           (10, 576, 1152), (6, 96, 144), (6, 2304, 1152), (4, 288, 144), (3, 1040, 1040),
-          (5, 150, 150)]
+          (5, 150, 150), (9, 1024, 2304), (4, 2304, 2304)]
 
 
 def test_parity_shapes_cover_both_column_forms() -> None:
@@ -312,29 +313,44 @@ def test_tile_shape_tail(period: int, factored: bool, tail: int) -> None:
     p2, bpp, got = step_kernels.tile_shape(period, factored)
     assert p2 == 1 << (period - 1).bit_length() and bpp >= 1
     assert got == tail
-    if tail:
-        assert p2 // 2 < period <= p2 // 2 + tail < p2
 
 
+def test_tile_shape_pieces_cover_every_period() -> None:
+    """For every tile-route period, the head ``[0, P2/2)`` and the tail ``[P2/2, P2/2 +
+    TAIL)`` cover ``[0, P)`` (masked by ``cols < P``) with fewer lanes than one tile, and a
+    tail is a power of two of at least 16 lanes."""
+    for period in range(1, step_kernels.TILE_MAX_PERIOD + 1):
+        assert step_kernels.tile_shape(period, False)[2] == 0
+        p2, _, tail = step_kernels.tile_shape(period, True)
+        if tail:
+            assert tail >= 16 and tail & (tail - 1) == 0
+            assert p2 // 2 < period <= p2 // 2 + tail < p2, period
+
+
+@pytest.mark.parametrize("nan", [False, True])
 @pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("rows,cols,period", [(10, 576, 1152), (6, 2304, 1152), (6, 96, 144)])
 def test_tail_piece_matches_one_tile(monkeypatch: pytest.MonkeyPatch, rows: int, cols: int,
-                                     period: int, stochastic: bool) -> None:
+                                     period: int, stochastic: bool, nan: bool) -> None:
     """Head and tail against the same step on one ``[BPP, P2]`` tile: the same bits in every
     output (a max does not depend on its order, and factored mode sums nothing per block),
-    with a block whose maximum lies in its tail, a NaN in a tail lane and a column whose
-    statistic is zero; with stochastic rounding each element keeps its own random draw."""
+    with a block whose maximum lies in its tail and a column whose statistic is zero (V = 0,
+    so no update there); with stochastic rounding each element keeps its own random draw.
+    With ``nan``, a NaN gradient in a tail lane: that block's scale is NaN, and so are ``rbar``
+    and with it every parameter, so only codes and scales are compared then."""
     dev = _device()
     gen = torch.Generator().manual_seed(period)
     param = torch.randn(rows, cols, generator=gen).to(torch.bfloat16).to(dev)
     grad = (torch.randn(rows, cols, generator=gen) * 0.05).to(torch.bfloat16).to(dev)
     grad.view(-1)[period - 2] = 3.0  # the first block's largest |m| in its tail
-    grad.view(-1)[2 * period - 1] = float("nan")  # the last lane (tail) of the second block
     grad[:, 5] = 0.0  # a column without gradient: V = 0 there
+    if nan:
+        grad.view(-1)[2 * period - 1] = float("nan")  # the last lane (tail) of the second block
     st = {k: v.to(dev) for k, v in make_state(rows, cols, period, seed=period).items()}
     st["col"][5] = 0.0
     cb = make_codebook(period).to(dev)
-    hp = {**_hyper(3, 1e-3, 0.01), "stochastic_round": stochastic, "seed": 12345}
+    # A large lr and no decay: most bf16 parameters move, the V = 0 column must not.
+    hp = {**_hyper(3, 0.1, 0.0), "stochastic_round": stochastic, "seed": 12345}
     assert step_kernels.tile_shape(period, True)[2] > 0
     outs = []
     for one_tile in (False, True):
@@ -346,10 +362,29 @@ def test_tail_piece_matches_one_tile(monkeypatch: pytest.MonkeyPatch, rows: int,
                              **hp)
         outs.append((p, tri))
     (p_tail, tail), (p_one, one) = outs
-    assert tail["scale"][1].isnan().all()
     for key in ("codes", "scale", "row", "col"):
         assert_bitwise(tail[key], one[key], key)
+    if nan:
+        assert tail["scale"][1].isnan().all()
+        return
+    assert not tail["scale"].isnan().any() and not p_tail.isnan().any()
+    others = torch.arange(cols, device=dev) != 5
+    assert (p_tail != param)[:, others].float().mean() > 0.5
+    assert_bitwise(p_tail[:, 5], param[:, 5], "param, V = 0 column")
     assert_bitwise(p_tail, p_one, "param")
+
+
+@pytest.mark.parametrize("rows,cols,period", [(10, 576, 1152), (4, 288, 144), (4, 2304, 2304)])
+def test_tail_piece_matches_reference_maximize(rows: int, cols: int, period: int) -> None:
+    """A head and a tail piece with ``maximize`` (the gradient negated in both pieces)
+    against the reference."""
+    assert step_kernels.tile_shape(period, True)[2] > 0
+    dev = _device()
+    gen = torch.Generator().manual_seed(period + 7)
+    param = torch.randn(rows, cols, generator=gen).to(torch.bfloat16).to(dev)
+    grad = (torch.randn(rows, cols, generator=gen) * 0.05).to(torch.bfloat16).to(dev)
+    st = {k: v.to(dev) for k, v in make_state(rows, cols, period, seed=period).items()}
+    _pair(param, grad, st, make_codebook(period).to(dev), maximize=True)
 
 
 @pytest.mark.parametrize("rows,cols,period", PARITY)

@@ -31,9 +31,11 @@ CASES = [
     ((16, 32), 32, torch.bfloat16, torch.float16, True),  # another gradient dtype: its class
     ((48, 64), 64, torch.float32, torch.float32, True),  # second member of the fp32 class
     ((9, 600), 50, torch.bfloat16, torch.bfloat16, True),  # second member of the 600's class
-    # A head and a tail piece (tile_shape's TAIL), with per-element and with row statistics.
+    # A head and a tail piece (tile_shape's TAIL), with per-element and with row statistics,
+    # and a period of the same P2 without a tail: a class of its own (TAIL is in the key).
     ((6, 96), 144, torch.bfloat16, torch.bfloat16, True),
     ((4, 288), 144, torch.bfloat16, torch.bfloat16, True),
+    ((10, 96), 240, torch.bfloat16, torch.bfloat16, True),
     ((210,), 7, torch.bfloat16, torch.bfloat16, False),
     ((150,), 5, torch.bfloat16, torch.bfloat16, False),
     ((3072,), 1024, torch.float32, torch.float32, False),
@@ -182,18 +184,19 @@ def test_groups_launch_once_per_class_and_chunk(monkeypatch) -> None:
                                     None)
     # Factored classes: (bf16, bf16, P2 32, unaligned), (fp32, P2 64, aligned),
     # (bf16, P2 16, aligned), (bf16, P2 64, unaligned: 600 columns), (bf16 param, fp16 grad),
-    # the two head-and-tail classes (P2 256, TAIL 16; with and without IN_ROW), and the
-    # split-route tensor's (statistics only). Block classes: P2 8 bf16, P2 1024 fp32, P2 32
-    # fp16. The block split-route tensor launches alone and the empty one not at all.
-    assert counts == {"_group_stats_kernel": 8, "_group_finalize_kernel": 8,
-                      "_group_tile_kernel": 10}
+    # the two head-and-tail classes (P2 256, TAIL 16; with and without IN_ROW), P2 256 without
+    # a tail, and the split-route tensor's (statistics only). Block classes: P2 8 bf16, P2 1024
+    # fp32, P2 32 fp16. The block split-route tensor launches alone and the empty one not at
+    # all.
+    assert counts == {"_group_stats_kernel": 9, "_group_finalize_kernel": 9,
+                      "_group_tile_kernel": 11}
     # One factored tensor per chunk; block classes need no scratch and stay whole.
     monkeypatch.setattr(step_groups, "GROUP_SCRATCH_BYTES", 0)
     counts.clear()
     StepGroups(plans, grads).launch(grads, [_scalars(j, c[4]) for j, c in enumerate(CASES)],
                                     None)
-    assert counts == {"_group_stats_kernel": 10, "_group_finalize_kernel": 10,
-                      "_group_tile_kernel": 12}
+    assert counts == {"_group_stats_kernel": 11, "_group_finalize_kernel": 11,
+                      "_group_tile_kernel": 13}
 
 
 @pytest.mark.parametrize("force_loop", [False, True])

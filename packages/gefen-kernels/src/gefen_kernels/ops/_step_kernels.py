@@ -512,9 +512,11 @@ def tile_shape(period: int, factored: bool) -> tuple[int, int, int]:
     In factored mode a period with ``P2 / 2 < P <= 5 P2 / 8`` is held as a ``P2 / 2`` head and
     a tail of the next power of two at or above ``P - P2 / 2`` lanes, where that is at least
     16: 1152 (GPT-2's most common searched period) runs on 1024 + 128 lanes instead of 2048.
-    On the H200 this took the factored tile kernel from 0.589 to 0.357 ms at P = 1152
-    (``docs/results/h200-2026-11-30-session13/call2_ablation.txt``); periods nearer ``3 P2 / 4``
-    gained little or nothing there, and block mode's sum of squares would change order."""
+    On the H200 this took the factored tile kernel from 0.609 to 0.394 ms at P = 1152 and from
+    0.519 to 0.441 ms at 1280; a tail at 1344 or 1536 (up to ``3 P2 / 4``) took only 3-4 % off,
+    not worth a launch class of its own (``docs/results/h200-2026-12-01-session17/
+    call7_ablation.txt``). Block mode keeps one tile: a tail would reorder its sum of
+    squares."""
     p2 = _next_pow2(period)
     bpp = max(1, program_elements(TILE_ELEMENTS) // p2)
     tail = 0

@@ -9,7 +9,8 @@ parameters for the same second moment:
 * ``tile``: one program holds ``BPP`` whole blocks as a ``[BPP, P2]`` register tile
   (``P2`` = next power of two >= P, ``BPP * P2 >= 2048``), so small blocks share a program and
   every byte is touched once: grad read, param read+write, codes read+write (8 B/param for
-  bf16 params). Used for ``P <= 4096``.
+  bf16 params). Used for ``P <= 4096``. In factored mode a period just above a power of two
+  is held as a ``[BPP, P2 / 2]`` head and a narrower tail (:func:`tile_shape`).
 * ``loop``: one program per block, looping over it in tiles twice (max and sum of squares,
   then quantise and write); the second sweep re-reads grad and codes from L2. Used for long
   blocks when there are enough of them to fill the GPU.

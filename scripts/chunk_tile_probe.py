@@ -31,8 +31,7 @@ import kernel_ablation  # ROWS, NCOLS and DEVICE are set on it
 import torch
 import triton
 import triton.language as tl
-from kernel_ablation import Case, _time
-from tma_tile_probe import _compare
+from kernel_ablation import Case, _check, _time
 
 from gefen_kernels.ops._step_kernels import (
     _apply,
@@ -242,7 +241,7 @@ def main() -> None:
                 if name in failed:
                     print(f"{tag:34s} {name:16s} {failed[name]}")
                     continue
-                check = "" if name == "production" else _compare(case, run)
+                check = "" if name == "production" else _check(case, run)
                 ts = sorted(times[name])
                 ms = ts[len(ts) // 2]
                 print(

@@ -34,7 +34,7 @@ import kernel_ablation  # DEVICE and ROWS are set on it
 import torch
 import triton
 import triton.language as tl
-from kernel_ablation import Case, _time
+from kernel_ablation import Case, _check, _time
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gefen_kernels.ops._step_kernels import (
@@ -216,35 +216,6 @@ def _launch(case: Case, stages: int, per_sm: int, warps: int, hoist: bool, tma_s
     )
 
 
-def _compare(case: Case, run: functools.partial) -> str:  # type: ignore[type-arg]
-    """Production once and ``run`` once from the same state: which outputs differ, and in
-    how many elements."""
-    prod = importlib.import_module("gefen_kernels.ops._step_kernels")
-    saved = [t.clone() for t in case.state()]
-    case.launch(prod)
-    expect = [t.clone() for t in case.state()]
-    for t, s in zip(case.state(), saved):
-        t.copy_(s)
-    run()
-    got = [t.clone() for t in case.state()]
-    for t, s in zip(case.state(), saved):
-        t.copy_(s)
-    names = ["param", "codes", "scale", "exp_avg_sq"]
-    diffs = []
-    for name, a, b in zip(names, expect, got):
-        bits = (
-            torch.int32
-            if a.dtype == torch.float32
-            else torch.int16
-            if a.element_size() == 2
-            else torch.uint8
-        )
-        n_diff = int((a.view(bits) != b.view(bits)).sum())
-        if n_diff:
-            diffs.append(f"{name} {n_diff}")
-    return "bit-identical" if not diffs else "differs: " + ", ".join(diffs)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
@@ -295,7 +266,7 @@ def main() -> None:
             run = functools.partial(_launch, case, stages, per_sm, warps, hoist, tma_store)
             try:
                 ms = _time(run, args.reps)
-                check = _compare(case, run)
+                check = _check(case, run)
             except Exception as exc:  # a configuration that does not compile or fit
                 ms, check = float("nan"), f"failed: {type(exc).__name__}: {exc}"[:160]
             name = (

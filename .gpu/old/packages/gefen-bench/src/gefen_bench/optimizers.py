@@ -1,0 +1,381 @@
+"""The optimizers gefen-bench compares, by name.
+
+Each entry builds a *list* of ``torch.optim.Optimizer`` objects for a list of named
+parameters (a peer such as Muon + AdamW is two optimizers stepped together); the trainers
+step, schedule and zero every optimizer in the list. An entry whose package is missing is
+*skipped* with a reason, never a crash: :func:`availability` says why.
+
+The published ``gefen-x`` 0.5.0 and ``gefen`` 1.2.3 both import as ``gefen``, as does this
+project's facade, so they run only in their own worker process, loaded from a directory the
+user installed them into (``--target gefen-x=DIR``), see :func:`load_external_gefen`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+NamedParams = Sequence[tuple[str, torch.Tensor]]
+NamedList = list[tuple[str, torch.Tensor]]
+Builder = Callable[..., list[torch.optim.Optimizer]]
+
+# Name fragments that route a 2-D parameter away from Muon (ALGORITHM.md §5.2 rule 4).
+_MUON_EXCLUDED_NAMES = ("embed", "wte", "wpe", "lm_head", "classifier", "score")
+
+# Gefen's default learning rate as a multiple of AdamW's (the registry's lr_scale of "gefen").
+GEFEN_LR_RATIO = 0.6
+
+# Published packages that import as ``gefen``: --target key -> version prefix it must have.
+EXTERNAL_PACKAGES = {"gefen-x": "0.5.", "gefen": "1.2."}
+
+
+class UnknownOptimizerError(ValueError):
+    """An optimizer name that is not in the registry; the message lists the known names."""
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One comparable optimizer.
+
+    Attributes:
+        name: the CLI name (``--optimizers gefen,adamw``).
+        summary: one line for tables and ``--help``.
+        lr_scale: default learning rate as a multiple of the task's AdamW learning rate.
+        build: ``build(named_params, *, lr, weight_decay, device, model) -> [Optimizer, ...]``.
+        requires: what must be installed (shown when skipped).
+        external: ``--target`` key for published packages run in their own process.
+        min_bytes_per_param: the least bytes per parameter one bf16 step must move (the
+            bandwidth roofline of ``gefen-bench step``; see ANCHOR-FIGURES.md).
+        options: optimizer keyword arguments recorded in reports.
+        graph: ``gefen-bench step`` captures the steady step in a CUDA graph and times its
+            replays (the optimizer is built with ``capturable=True``); only that command on a
+            CUDA device runs it (:func:`availability`).
+    """
+
+    name: str
+    summary: str
+    lr_scale: float
+    build: Builder
+    requires: str = ""
+    external: str | None = None
+    min_bytes_per_param: float = 14.0
+    options: dict[str, object] = field(default_factory=dict)
+    graph: bool = False
+
+
+def split_for_muon(
+    named: NamedParams, model: nn.Module | None = None
+) -> tuple[NamedList, NamedList]:
+    """(hidden 2-D matrices, everything else): the routing of ALGORITHM.md §5.2.
+
+    Embedding weights (by identity when ``model`` is given, else by name), the LM head,
+    non-2-D tensors (biases, norms, convolution kernels) go to the second list.
+    """
+    embedding_ids: set[int] = set()
+    if model is not None:
+        for module in model.modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+                embedding_ids.add(id(module.weight))
+    muon: NamedList = []
+    rest: NamedList = []
+    for name, p in named:
+        lowered = name.lower()
+        if (
+            p.ndim != 2
+            or id(p) in embedding_ids
+            or any(s in lowered for s in _MUON_EXCLUDED_NAMES)
+        ):
+            rest.append((name, p))
+        else:
+            muon.append((name, p))
+    return muon, rest
+
+
+def _adamw_impl(device: torch.device) -> dict[str, bool]:
+    # torch ships a fused AdamW for CUDA and CPU; foreach is the fallback elsewhere.
+    if device.type in ("cuda", "cpu"):
+        return {"fused": True}
+    return {"foreach": True}
+
+
+def _build_adamw(named: NamedParams, *, lr: float, weight_decay: float, device: torch.device,
+                 model: nn.Module | None = None, impl: dict[str, bool] | None = None,
+                 ) -> list[torch.optim.Optimizer]:
+    kw: dict[str, Any] = dict(_adamw_impl(device) if impl is None else impl)
+    return [torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=weight_decay, **kw)]
+
+
+def _gefen_class(name: str) -> type:
+    module = importlib.import_module("gefen_core")
+    cls: type = getattr(module, name)
+    return cls
+
+
+def _build_gefen(named: NamedParams, *, lr: float, weight_decay: float, device: torch.device,
+                 model: nn.Module | None = None, **options: object,
+                 ) -> list[torch.optim.Optimizer]:
+    gefen = _gefen_class("Gefen")
+    return [gefen(named, lr=lr, weight_decay=weight_decay, **options)]
+
+
+def _build_adafactor(named: NamedParams, *, lr: float, weight_decay: float,
+                     device: torch.device, model: nn.Module | None = None,
+                     ) -> list[torch.optim.Optimizer]:
+    return [torch.optim.Adafactor([p for _, p in named], lr=lr, weight_decay=weight_decay)]
+
+
+def _build_torch_muon(named: NamedParams, *, lr: float, weight_decay: float,
+                      device: torch.device, model: nn.Module | None = None,
+                      ) -> list[torch.optim.Optimizer]:
+    muon_named, rest = split_for_muon(named, model)
+    opts: list[torch.optim.Optimizer] = []
+    if muon_named:
+        # match_rms_adamw lets Muon share AdamW's learning rate (torch.optim.Muon docs).
+        opts.append(torch.optim.Muon([p for _, p in muon_named], lr=lr,
+                                     weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"))
+    if rest:
+        opts.extend(_build_adamw(rest, lr=lr, weight_decay=weight_decay, device=device))
+    return opts
+
+
+def _build_hybrid(named: NamedParams, *, lr: float, weight_decay: float, device: torch.device,
+                  model: nn.Module | None = None, **options: object,
+                  ) -> list[torch.optim.Optimizer]:
+    hybrid = _gefen_class("GefenMuonHybrid")
+    # The hybrid's own routing (ALGORITHM.md §5.1 forms 2 and 3) is part of what is measured.
+    source: object = model if model is not None else named
+    return [hybrid(source, lr=lr, weight_decay=weight_decay, **options)]
+
+
+def _build_torchao(cls_name: str) -> Builder:
+    def build(named: NamedParams, *, lr: float, weight_decay: float, device: torch.device,
+              model: nn.Module | None = None) -> list[torch.optim.Optimizer]:
+        cls = getattr(importlib.import_module("torchao.optim"), cls_name)
+        return [cls([p for _, p in named], lr=lr, weight_decay=weight_decay)]
+    return build
+
+
+def _build_bnb(named: NamedParams, *, lr: float, weight_decay: float, device: torch.device,
+               model: nn.Module | None = None) -> list[torch.optim.Optimizer]:
+    bnb_optim = importlib.import_module("bitsandbytes.optim")
+    return [bnb_optim.AdamW8bit([p for _, p in named], lr=lr, weight_decay=weight_decay)]
+
+
+def _build_external(named: NamedParams, *, lr: float, weight_decay: float,
+                    device: torch.device, model: nn.Module | None = None, **options: object,
+                    ) -> list[torch.optim.Optimizer]:
+    # load_external_gefen() has put the published package in sys.modules["gefen"].
+    gefen = sys.modules.get("gefen")
+    if gefen is None:
+        raise RuntimeError("the published gefen package was not loaded in this worker")
+    fused = device.type == "cuda"
+    return [gefen.Gefen(named, lr=lr, weight_decay=weight_decay, fused=fused, **options)]
+
+
+REGISTRY: dict[str, OptimizerSpec] = {
+    spec.name: spec
+    for spec in [
+        OptimizerSpec("adamw", "torch.optim.AdamW (fused where torch has it, else foreach)",
+                      1.0, _build_adamw, min_bytes_per_param=14.0),
+        OptimizerSpec("adamw-fused", "torch.optim.AdamW(fused=True)", 1.0,
+                      lambda n, **kw: _build_adamw(n, impl={"fused": True}, **kw),
+                      min_bytes_per_param=14.0, options={"fused": True}),
+        OptimizerSpec("adamw-foreach", "torch.optim.AdamW(foreach=True)", 1.0,
+                      lambda n, **kw: _build_adamw(n, impl={"foreach": True}, **kw),
+                      min_bytes_per_param=14.0, options={"foreach": True}),
+        OptimizerSpec("gefen", "gefen_core.Gefen, defaults (factored second moment)",
+                      GEFEN_LR_RATIO,
+                      _build_gefen, requires="gefen-core", min_bytes_per_param=8.0),
+        OptimizerSpec("gefen-blockv", "gefen_core.Gefen(factored_v_2d=False)", 0.6,
+                      lambda n, **kw: _build_gefen(n, factored_v_2d=False, **kw),
+                      requires="gefen-core", min_bytes_per_param=8.0,
+                      options={"factored_v_2d": False}),
+        # Launch-bound sets (GPT-2's 148 tensors) without host launch cost: the steady step is
+        # captured once and replayed (torch's CUDA-graph recipe; lr is a float, baked in).
+        OptimizerSpec("gefen-graph", "gefen_core.Gefen(capturable=True), step in a CUDA graph",
+                      GEFEN_LR_RATIO, lambda n, **kw: _build_gefen(n, capturable=True, **kw),
+                      requires="gefen-core and a CUDA device", min_bytes_per_param=8.0,
+                      options={"capturable": True}, graph=True),
+        OptimizerSpec("gefen-blockv-graph",
+                      "gefen_core.Gefen(factored_v_2d=False, capturable=True), step in a CUDA "
+                      "graph", 0.6,
+                      lambda n, **kw: _build_gefen(n, factored_v_2d=False, capturable=True,
+                                                   **kw),
+                      requires="gefen-core and a CUDA device", min_bytes_per_param=8.0,
+                      options={"factored_v_2d": False, "capturable": True}, graph=True),
+        OptimizerSpec("adamw-fused-graph",
+                      "torch.optim.AdamW(fused=True, capturable=True), step in a CUDA graph",
+                      1.0,
+                      lambda n, **kw: _build_adamw(n, impl={"fused": True, "capturable": True},
+                                                   **kw),
+                      requires="a CUDA device", min_bytes_per_param=14.0,
+                      options={"fused": True, "capturable": True}, graph=True),
+        OptimizerSpec("adafactor", "torch.optim.Adafactor (relative step size)", 3.0,
+                      _build_adafactor, requires="torch>=2.5 (torch.optim.Adafactor)",
+                      min_bytes_per_param=6.0),
+        OptimizerSpec("muon", "torch.optim.Muon on hidden 2-D matrices + AdamW on the rest",
+                      1.0, _build_torch_muon, requires="torch>=2.9 (torch.optim.Muon)",
+                      min_bytes_per_param=10.0),
+        # The hybrids share one lr (ALGORITHM.md §5.3) and their Muon half uses
+        # adjust_lr_fn="match_rms_adamw", so they take the lr torch.optim.Muon gets in "muon"
+        # (1 x AdamW's), not plain Gefen's 0.6. Measured on the LM task (held-out loss,
+        # docs/results/cpu-lm-muon/README.md): at 0.6 x the AdamW-backup hybrid was 15% behind
+        # "muon", at 1 x 0.9%; the Gefen-backup hybrid with its backup at 0.6 x lr was 2.4%
+        # worse than with the shared lr.
+        OptimizerSpec("gefen-muon-hybrid", "gefen_core.GefenMuonHybrid (Gefen backup)", 1.0,
+                      _build_hybrid, requires="gefen-core with GefenMuonHybrid",
+                      min_bytes_per_param=8.0),
+        OptimizerSpec("gefen-muon-hybrid-adamw",
+                      "gefen_core.GefenMuonHybrid(backup_optimizer='adamw')", 1.0,
+                      lambda n, **kw: _build_hybrid(n, backup_optimizer="adamw", **kw),
+                      requires="gefen-core with GefenMuonHybrid", min_bytes_per_param=8.0,
+                      options={"backup_optimizer": "adamw"}),
+        OptimizerSpec("torchao-adamw8bit", "torchao.optim.AdamW8bit", 1.0,
+                      _build_torchao("AdamW8bit"), requires="gefen-bench[peers] (torchao)",
+                      min_bytes_per_param=10.0),
+        OptimizerSpec("torchao-adamw4bit", "torchao.optim.AdamW4bit", 1.0,
+                      _build_torchao("AdamW4bit"), requires="gefen-bench[peers] (torchao)",
+                      min_bytes_per_param=8.0),
+        OptimizerSpec("bnb-adamw8bit", "bitsandbytes.optim.AdamW8bit", 1.0, _build_bnb,
+                      requires="gefen-bench[peers] (bitsandbytes)", min_bytes_per_param=10.0),
+        OptimizerSpec("gefenx-0.5", "published gefen-x 0.5.0 Gefen (own process)", 0.6,
+                      _build_external, requires="--target gefen-x=DIR", external="gefen-x",
+                      min_bytes_per_param=8.0),
+        OptimizerSpec("gefenx-0.5-blockv", "published gefen-x 0.5.0 Gefen(factored_v_2d=False)",
+                      0.6, lambda n, **kw: _build_external(n, factored_v_2d=False, **kw),
+                      requires="--target gefen-x=DIR", external="gefen-x",
+                      min_bytes_per_param=8.0, options={"factored_v_2d": False}),
+        OptimizerSpec("gefen-1.2", "published gefen 1.2.3 Gefen (own process)", 0.6,
+                      _build_external, requires="--target gefen=DIR", external="gefen",
+                      min_bytes_per_param=8.0),
+    ]
+}
+
+# What `gefen-bench train` compares when --optimizers is not given (unavailable ones are
+# reported as skipped).
+TRAIN_DEFAULT = ("gefen", "adamw", "adafactor", "muon", "gefen-muon-hybrid-adamw",
+                 "torchao-adamw8bit", "torchao-adamw4bit", "bnb-adamw8bit", "gefenx-0.5")
+
+
+def get_spec(name: str) -> OptimizerSpec:
+    """The registry entry for ``name``.
+
+    Raises:
+        UnknownOptimizerError: ``name`` is not registered; the message lists every name.
+    """
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UnknownOptimizerError(
+            f"unknown optimizer {name!r}; available: {', '.join(REGISTRY)}"
+        ) from None
+
+
+def parse_names(text: str) -> list[str]:
+    """Comma-separated optimizer names, validated (:class:`UnknownOptimizerError`)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise UnknownOptimizerError(f"no optimizer named; available: {', '.join(REGISTRY)}")
+    for n in names:
+        get_spec(n)
+    return names
+
+
+def _module_present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def external_version(target: str) -> str | None:
+    """Version of the ``gefen-x`` or ``gefen`` distribution installed in ``target``, if any."""
+    for dist in importlib.metadata.distributions(path=[target]):
+        if dist.metadata["Name"] in EXTERNAL_PACKAGES:
+            return dist.version
+    return None
+
+
+def availability(name: str, targets: dict[str, str] | None = None,
+                 device: torch.device | None = None) -> str | None:
+    """``None`` when ``name`` can run here, else the reason it is skipped (one line).
+
+    ``device``: where ``gefen-bench step`` runs; CUDA-graph entries (``graph=True``) run only
+    there, on a CUDA device (other commands pass no device and skip them).
+    """
+    spec = get_spec(name)
+    targets = targets or {}
+    if spec.graph:
+        if device is None:
+            return "a CUDA-graph entry: only gefen-bench step captures and replays it"
+        if device.type != "cuda":
+            return f"CUDA graph capture needs a CUDA device, not {device.type}"
+    if spec.external is not None:
+        target = targets.get(spec.external)
+        if target is None:
+            return (f"not given: pip install --no-deps --target DIR "
+                    f"'{spec.external}=={EXTERNAL_PACKAGES[spec.external]}*', then pass "
+                    f"--target {spec.external}=DIR")
+        if not (Path(target) / "gefen" / "__init__.py").is_file():
+            return f"--target {spec.external}={target}: no gefen/__init__.py there"
+        version = external_version(target)
+        if version is None or not version.startswith(EXTERNAL_PACKAGES[spec.external]):
+            return (f"--target {spec.external}={target} holds version {version}, "
+                    f"not {EXTERNAL_PACKAGES[spec.external]}x")
+        return None
+    if name.startswith("gefen"):
+        cls = "GefenMuonHybrid" if "hybrid" in name else "Gefen"
+        try:
+            module = importlib.import_module("gefen_core")
+        except ImportError as exc:
+            return f"gefen_core does not import: {exc}"
+        if not hasattr(module, cls):
+            version = getattr(module, "__version__", "?")
+            return f"gefen_core {version} has no {cls} yet"
+        return None
+    if name == "adafactor" and not hasattr(torch.optim, "Adafactor"):
+        return f"torch {torch.__version__} has no torch.optim.Adafactor (needs torch>=2.5)"
+    if name == "muon" and not hasattr(torch.optim, "Muon"):
+        return f"torch {torch.__version__} has no torch.optim.Muon (needs torch>=2.9)"
+    if name.startswith("torchao") and not _module_present("torchao"):
+        return "torchao not installed (pip install 'gefen-bench[peers]')"
+    if name.startswith("bnb") and not _module_present("bitsandbytes"):
+        return "bitsandbytes not installed (pip install 'gefen-bench[peers]')"
+    return None
+
+
+def load_external_gefen(target: str) -> str:
+    """Import the published ``gefen`` package from ``target`` as ``sys.modules['gefen']``.
+
+    Only the ``gefen`` package directory is loaded from ``target`` (anything else there, such
+    as a second torch, is ignored). Call it in a fresh worker process before building.
+
+    Returns:
+        The distribution version found in ``target``.
+    """
+    init = Path(target) / "gefen" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "gefen", init, submodule_search_locations=[str(init.parent)]
+    )
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the gefen package from {init}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gefen"] = module
+    spec.loader.exec_module(module)
+    return external_version(target) or "unknown"
+
+
+def build(name: str, named: NamedParams, *, lr: float, weight_decay: float,
+          device: torch.device, model: nn.Module | None = None) -> list[torch.optim.Optimizer]:
+    """Build optimizer ``name`` over ``named`` parameters (see :class:`OptimizerSpec`)."""
+    return get_spec(name).build(named, lr=lr, weight_decay=weight_decay, device=device,
+                                model=model)

@@ -1,0 +1,245 @@
+"""Building blocks: state counting, data splits, parameter sets, worker failures."""
+
+from __future__ import annotations
+
+import argparse
+import zlib
+
+import pytest
+import torch
+
+from gefen_bench import optimizers as registry
+from gefen_bench.data import eval_offsets, gather_windows, split_of, stdlib_corpus, window_offsets
+from gefen_bench.jobs import run_job
+from gefen_bench.param_sets import numel, shapes_for
+from gefen_bench.state_bytes import state_bytes
+from gefen_bench.train import parse_lr_overrides
+
+
+def test_state_bytes_counts_each_storage_once_and_excludes_params() -> None:
+    p = torch.nn.Parameter(torch.zeros(10))
+    p.grad = torch.zeros(10)
+    opt = torch.optim.SGD([p], lr=0.1)
+    shared = torch.zeros(6, dtype=torch.float64)  # 48 bytes
+    opt.state[p] = {"a": shared, "b": shared[2:], "c": torch.zeros(3, dtype=torch.uint8),
+                    "param_alias": p.detach(), "grad_alias": p.grad.view(2, 5),
+                    "nested": [{"d": torch.zeros(2, dtype=torch.int16)}]}
+    assert state_bytes([opt], [p]) == 48 + 3 + 4
+
+
+def test_state_bytes_of_torch_adamw_matches_its_definition() -> None:
+    params = [torch.nn.Parameter(torch.randn(7, 3)), torch.nn.Parameter(torch.randn(5))]
+    opt = torch.optim.AdamW(params, foreach=False)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    # exp_avg and exp_avg_sq in fp32 and a 0-dim fp32 `step` per parameter.
+    assert state_bytes([opt], params) == 2 * 4 * 26 + 2 * 4
+
+
+def test_split_is_by_file_and_stable() -> None:
+    assert split_of("os.py") == split_of("os.py")
+    # The rule, restated: CRC-32 of the POSIX relative path, 5% test, 5% validation.
+    for path in ("os.py", "json/decoder.py", "email/_header_value_parser.py", "ast.py"):
+        bucket = zlib.crc32(path.encode()) % 100
+        expected = "test" if bucket < 5 else "val" if bucket < 10 else "train"
+        assert split_of(path) == expected
+
+
+def test_stdlib_corpus_has_disjoint_nonempty_splits() -> None:
+    corpus = stdlib_corpus(max_train_bytes=50_000)
+    assert len(corpus.train) == 50_000
+    assert len(corpus.val) > 10_000 and len(corpus.test) > 10_000
+    assert corpus.files["test"] > 0 and corpus.files["val"] > 0
+    assert corpus.train.dtype == torch.uint8
+    assert bytes(corpus.test[:200].tolist()).isascii() or len(corpus.test) > 0
+
+
+def test_windows_are_deterministic_and_in_range() -> None:
+    a = window_offsets(1000, 16, 64, seed=3)
+    assert torch.equal(a, window_offsets(1000, 16, 64, seed=3))
+    assert not torch.equal(a, window_offsets(1000, 16, 64, seed=4))
+    assert int(a.max()) + 17 <= 1000
+    stream = torch.arange(100, dtype=torch.uint8)
+    w = gather_windows(stream, torch.tensor([0, 10]), 4)
+    assert w.tolist() == [[0, 1, 2, 3, 4], [10, 11, 12, 13, 14]]
+    e = eval_offsets(100, 4, 5)
+    assert e[0] == 0 and e[-1] == 95
+
+
+def test_param_sets_match_the_published_model_sizes() -> None:
+    # Sizes stated in ANCHOR-FIGURES.md (GPT-2 small; Llama-3.2-1B with an untied head).
+    gpt2, llama = shapes_for("gpt2"), shapes_for("llama")
+    assert (len(gpt2), numel(gpt2)) == (148, 124_439_808)
+    assert (len(llama), numel(llama)) == (147, 1_498_482_688)
+    assert {len(s) for _, s in shapes_for("llama", "tiny")} == {1, 2}
+    assert len(shapes_for("gpt2", "tiny")) == 4 + 12 * 2
+
+
+def test_lr_overrides() -> None:
+    assert parse_lr_overrides(["gefen=3e-3", "digits:adamw=1e-3"]) == {
+        (None, "gefen"): 3e-3, ("digits", "adamw"): 1e-3}
+    with pytest.raises(registry.UnknownOptimizerError, match="available: adamw"):
+        parse_lr_overrides(["sgdx=1"])
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_lr_overrides(["gefen=0"])
+
+
+def test_muon_routing_follows_the_hybrid_rule() -> None:
+    emb = torch.nn.Embedding(10, 4)
+    lin = torch.nn.Linear(4, 4)
+    model = torch.nn.ModuleDict({"tok": emb, "body": lin, "lm_head": torch.nn.Linear(4, 10)})
+    muon, rest = registry.split_for_muon(list(model.named_parameters()), model)
+    assert [n for n, _ in muon] == ["body.weight"]
+    assert {n for n, _ in rest} == {"tok.weight", "body.bias", "lm_head.weight",
+                                    "lm_head.bias"}
+
+
+def test_external_peer_without_target_is_skipped_with_instructions(tmp_path) -> None:
+    reason = registry.availability("gefenx-0.5")
+    assert reason is not None and "pip install --no-deps --target" in reason
+    reason = registry.availability("gefenx-0.5", {"gefen-x": str(tmp_path)})
+    assert reason is not None and "no gefen/__init__.py" in reason
+
+
+def test_graph_entries_run_only_in_the_step_command_on_cuda() -> None:
+    graphs = [n for n, spec in registry.REGISTRY.items() if spec.graph]
+    assert set(graphs) == {"gefen-graph", "gefen-blockv-graph", "adamw-fused-graph"}
+    for name in graphs:
+        assert registry.get_spec(name).options.get("capturable") is True
+        assert "only gefen-bench step" in (registry.availability(name) or "")
+        assert "needs a CUDA device" in (
+            registry.availability(name, device=torch.device("cpu")) or "")
+        assert registry.availability(name, device=torch.device("cuda")) is None
+    assert not set(graphs) & set(registry.TRAIN_DEFAULT)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["adamw-fused-graph", "gefen-graph", "gefen-blockv-graph"])
+def test_captured_step_replays_the_eager_steps(name: str) -> None:
+    """The step command's capture: the capture itself steps nothing, each replay one step,
+    bit for bit as the same optimizer stepped eagerly (both ``capturable=True``)."""
+    from gefen_bench.param_sets import build_param_set
+    from gefen_bench.step import _captured
+
+    device = torch.device("cuda")
+    results = []
+    for graphed in (False, True):
+        named = build_param_set(shapes_for("gpt2", "tiny"), device=device,
+                                dtype=torch.bfloat16, seed=0)
+        opts = registry.build(name, named, lr=1e-2, weight_decay=0.0, device=device)
+
+        def step(opts: list[torch.optim.Optimizer] = opts) -> None:
+            for o in opts:
+                o.step()
+
+        step()  # the first step is eager in both (period search, codebook, state)
+        if graphed:
+            replay = _captured(step, device, warmup=2)
+        else:
+            for _ in range(2):
+                step()
+            replay = step
+        for _ in range(3):
+            replay()
+        torch.cuda.synchronize()
+        results.append([p.detach().clone() for _, p in named])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_worker_failure_is_reported_verbatim() -> None:
+    out = run_job({"kind": "nonsense"}, timeout_s=60)
+    assert out.status == "failed"
+    assert out.error == ("ValueError: unknown job kind 'nonsense'; expected lm, digits, arch "
+                         "or step")
+
+
+def test_digits_mlp_shapes_and_size() -> None:
+    from gefen_bench.presets import DigitsConfig
+    from gefen_bench.train_digits import DigitsMLP, build_digits_model
+
+    cfg = DigitsConfig(model="mlp", hidden=24)
+    model = build_digits_model(cfg)
+    assert isinstance(model, DigitsMLP)
+    assert model(torch.zeros(5, 1, 8, 8)).shape == (5, 10)
+    # 64 -> 24 -> 24 -> 10, weights and biases.
+    assert sum(p.numel() for p in model.parameters()) == (64 * 24 + 24) + (24 * 24 + 24) + (
+        24 * 10 + 10)
+    # The head keeps the name that routes it away from Muon (ALGORITHM.md §5.2).
+    muon, rest = registry.split_for_muon(list(model.named_parameters()), model)
+    assert {n for n, _ in rest} >= {"classifier.weight", "classifier.bias"}
+    assert len(muon) == 2
+    with pytest.raises(ValueError, match="DigitsConfig.model must be one of cnn, mlp"):
+        build_digits_model(DigitsConfig(model="resnet"))
+
+
+def test_digits_job_is_deterministic_and_reports_curves() -> None:
+    from gefen_bench.presets import DigitsConfig, as_dict
+    from gefen_bench.train_digits import run_digits_job
+
+    cfg = DigitsConfig(model="mlp", hidden=16, epochs=2, batch=256, seeds=(0,))
+    job = {"optimizer": "adamw", "lr": 3e-3, "config": as_dict(cfg), "device": "cpu",
+           "task": "digits-mlp", "eval_split": "val"}
+    a = run_digits_job(job, lambda event: None)
+    b = run_digits_job(job, lambda event: None)
+    assert a["task"] == "digits-mlp" and a["model"] == "mlp"
+    # 1797 digits: 60% train (1077) in batches of 256 -> 5 steps an epoch.
+    assert a["steps"] == 2 * 5 and a["eval_examples"] == 270
+    curve = a["runs"][0]["eval_curve"]
+    assert [row[0] for row in curve] == [1, 2] and all(len(row) == 4 for row in curve)
+    assert curve[-1][3] < curve[0][3]  # the training loss falls
+    assert a["runs"][0]["eval_curve"] == b["runs"][0]["eval_curve"]
+    c = run_digits_job({**job, "lr": 1e-2}, lambda event: None)
+    assert c["runs"][0]["eval_curve"] != a["runs"][0]["eval_curve"]
+
+
+def _digits_result(loss: float, accuracy: float) -> dict[str, object]:
+    return {"final_eval_loss_mean": loss, "accuracy_mean": accuracy}
+
+
+def test_digits_mlp_verdict_is_the_two_percent_loss_bar() -> None:
+    from gefen_bench.train import _verdicts
+
+    results = {"digits-mlp": {"adamw": _digits_result(0.100, 0.97),
+                              "gefen": _digits_result(0.1019, 0.968),
+                              "gefen-blockv": _digits_result(0.1021, 0.975),
+                              "muon": _digits_result(0.5, 0.5)}}
+    verdicts = {v["optimizer"]: v for v in _verdicts(results)}
+    assert set(verdicts) == {"gefen", "gefen-blockv"}  # Gefen variants only, against AdamW
+    assert verdicts["gefen"]["pass"] is True
+    assert verdicts["gefen"]["held_out_loss_vs_adamw"] == pytest.approx(0.019)
+    assert verdicts["gefen"]["accuracy_vs_adamw"] == pytest.approx(-0.002)
+    assert verdicts["gefen-blockv"]["pass"] is False
+    assert verdicts["gefen-blockv"]["held_out_loss_vs_adamw"] == pytest.approx(0.021)
+    assert _verdicts({"digits-mlp": {"gefen": _digits_result(0.1, 0.9)}}) == []
+
+
+def test_presets_without_a_digits_task_refuse_it() -> None:
+    from gefen_bench import cli
+
+    parser, _, _ = cli.build_parser()
+    from gefen_bench.train import _check_args
+
+    args = parser.parse_args(["train", "--preset", "h200-1b", "--tasks", "digits-mlp"])
+    with pytest.raises(argparse.ArgumentTypeError, match="h200-1b has no digits-mlp task"):
+        _check_args(args)
+    _, tasks, _, _ = _check_args(parser.parse_args(["train", "--preset", "h200-1b"]))
+    assert tasks == ["lm"]
+    _, tasks, _, _ = _check_args(parser.parse_args(["train"]))
+    assert tasks == ["lm", "digits", "digits-mlp"]
+
+
+def test_digits_splits_file_round_trip(tmp_path) -> None:
+    from gefen_bench.data import digits_splits, load_digits_splits, save_digits_splits
+
+    direct = digits_splits()
+    loaded = load_digits_splits(save_digits_splits(tmp_path / "d.pt"))
+    for name in ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test"):
+        assert torch.equal(getattr(direct, name), getattr(loaded, name)), name
+    # 1797 images, stratified 60 / 15 / 25 (scikit-learn rounds the test share up).
+    assert (len(loaded.y_train), len(loaded.y_val), len(loaded.y_test)) == (1077, 270, 450)
+    torch.save({"x_train": torch.zeros(1)}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="does not hold digits splits"):
+        load_digits_splits(tmp_path / "bad.pt")

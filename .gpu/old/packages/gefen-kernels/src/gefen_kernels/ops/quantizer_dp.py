@@ -1,0 +1,314 @@
+"""The exact optimal 1-D quantizer's dynamic program (ALGORITHM.md §1.8.3) on the GPU.
+
+Twin of ``gefen_core.codebook.optimal_quantizer`` for ``M >= K`` points (its ``_LayeredDP``):
+the same codewords, cost and tie choices, bit for bit, as the textbook recurrence. The numpy
+solver spends 70-110 ms of host time per call, bound by Python overhead over its 254 sequential
+layers; here each layer is one launch of many programs, and nothing is read back.
+
+The recurrence (§1.8.3). Points ``1..M`` with fp64 prefix sums ``W, S1, S2`` (index 0 = 0,
+accumulated left to right on the host: :func:`quantizer_prefix`). Segment ``[i..j]`` has
+``w = W[j] - W[i-1]`` (likewise ``s1``, ``s2``), free cost ``s2 - s1*s1/w`` and, with the fixed
+centre ``f``, ``(s2 - 2f*s1) + f*f*w``. Layer 1 is ``D1[j] = (S2[j] + 2*S1[j]) + W[j]``
+(``f = -1``); layers ``k = 2..K-1`` are ``D_k[j] = min_i D_{k-1}[i-1] + (s2 - s1*s1/w)`` over
+``i = k..j``, the leftmost minimiser (the textbook scans ``i`` upward and replaces only on strict
+improvement), for the rows ``j = k .. k + R - 1`` (``R = M - K + 1``; other rows cannot lead to a
+``K``-segment partition); layer ``K`` is the one row ``j = M`` with ``f = +1``. Backtracking the
+argmins gives the segments; codeword ``t`` is the mean ``(S1[end] - S1[start-1]) /
+(W[end] - W[start-1])`` of segment ``t + 1``, codeword 0 is -1, codeword ``K - 1`` is +1.
+
+Which candidates a row looks at: the leftmost argmin is monotone across layers (fact 2 of
+``gefen_core.codebook``'s module docstring, Knuth's bound: ``a_{k-1}(j) <= a_k(j)``), so row
+``j`` of layer ``k`` scans its window ``[max(a_{k-1}(j), k), j]`` in full. The top row, which
+layer ``k - 1`` lacks, takes ``a_{k-1}(j - 1)`` (row monotonicity, fact 1, then fact 2). A window
+is about one segment wide (``j / (k - 1)`` points), so a layer costs ``O(M^2 / k)`` candidates,
+about ``4e7`` for all of ``M = 4096``, ``K = 256``; no other fact is used, and no window depends
+on another row of the same layer.
+
+Launches (:func:`optimal_quantizer_dp_triton`):
+
+1. :func:`_dp_first_layer_kernel`: ``D_1`` and ``a_1 = 1`` on every row.
+2. :func:`_dp_layer_kernel`, once per free layer ``k = 2..K-1``: a program takes ``BR``
+   consecutive rows and walks the union of their windows in ``[BR, BC]`` tiles, left to right;
+   within a tile, each row's leftmost minimum (the minimum, then the smallest ``i`` holding
+   it), and across tiles a replacement only on strict improvement. The winner's value is
+   computed once more and stored, so ``D_k[j]`` holds the bits of the leftmost minimiser's
+   candidate even where ``+0.0`` and ``-0.0`` tie.
+3. :func:`_dp_last_layer_kernel` (one program): layer ``K``'s row and the backtracking.
+
+Exactness: every candidate value is computed with the expressions and operation order of the
+textbook (``_LayeredDP._values``): three prefix subtractions, ``s1 * s1``, the division by
+``w``, ``s2 - q``, then ``D + cost``, in fp64, round to nearest. A division of fp64 tensors
+lowers to ``div.rn.f64`` (correctly rounded; Triton's approximate division is fp32-only) and
+every launch passes ``enable_fp_fusion=False``, so no multiply-add is contracted into an fma.
+Within a window the leftmost minimum is the textbook's choice, and fact 2 puts the textbook's
+argmin in the window. Fact 2 holds in exact arithmetic; the computed costs carry rounding.
+So this kernel and the textbook can choose differently where two candidates are equal up to
+rounding, or where the weights span about ten orders of magnitude or more (the free cost's
+rounding, about ``W * 2**-52``, then exceeds the differences between costs). There the numpy
+solver, which also uses row monotonicity, can differ from both.
+``tests/ops/test_quantizer_dp.py`` compares codewords and cost with the textbook recurrence
+on exact ties, integer counts and float weights (and, on a GPU, with ``gefen_core``'s solver
+at ``M = 4096``, ``K = 256``).
+
+Cost: for ``M = 4096``, ``K = 256``, 254 layer launches of about 120 programs, most of them a
+single ``[32, 64]`` tile after the first few layers: bound by launch latency, not arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .._triton import interpret_mode, jit, require_triton, tl, triton
+from ._dispatch import check_device_for_triton, on_tensor_device
+from ._triton_helpers import LAUNCH_OPTIONS
+
+__all__ = ["optimal_quantizer_dp_triton", "quantizer_prefix"]
+
+# Rows per program of a layer launch and candidates per row and tile. Compiled: [32, 64] tiles
+# over 8 warps (8 fp64 values per thread; 4 warps spill). In the interpreter a program's cost
+# is per operation, so one program takes every row.
+_ROWS = 32
+_COLS = 64
+_NUM_WARPS = 8
+_INT32_MAX = tl.constexpr(2**31 - 1) if tl is not None else 2**31 - 1
+
+
+@jit(do_not_specialize=["rows"])
+def _dp_first_layer_kernel(pref_ptr, d_ptr, arg_ptr, m, rows,  # type: ignore[no-untyped-def]
+                           BLOCK: tl.constexpr):
+    """Layer 1 (fixed centre -1) on rows ``j = 1 .. rows``: ``D_1[j]`` into row 1 of d_ptr
+    (fp64 ``[2, m + 1]``) and ``a_1 = 1`` into row 1 of arg_ptr (int32 ``[K, rows]``)."""
+    stride = m + 1
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < rows
+    j = r + 1
+    w = tl.load(pref_ptr + j, mask=ok, other=1.0)
+    s1 = tl.load(pref_ptr + stride + j, mask=ok, other=0.0)
+    s2 = tl.load(pref_ptr + 2 * stride + j, mask=ok, other=0.0)
+    tl.store(d_ptr + stride + j, (s2 + 2.0 * s1) + w, mask=ok)
+    tl.store(arg_ptr + rows + r, tl.full([BLOCK], 1, tl.int32), mask=ok)
+
+
+@jit
+def _free_values(pref_ptr, dprev, stride, wj, s1j, s2j, i, ok):  # type: ignore[no-untyped-def]
+    """``D_{k-1}[i-1] + (s2 - s1*s1/w)`` of segments ``[i..j]``, in the textbook's order;
+    ``wj, s1j, s2j`` are the prefix sums at ``j``."""
+    im1 = i - 1
+    ww = wj - tl.load(pref_ptr + im1, mask=ok, other=0.0)
+    s1 = s1j - tl.load(pref_ptr + stride + im1, mask=ok, other=0.0)
+    s2 = s2j - tl.load(pref_ptr + 2 * stride + im1, mask=ok, other=0.0)
+    q = s1 * s1
+    q = q / ww
+    cost = s2 - q
+    return tl.load(dprev + im1, mask=ok, other=0.0) + cost
+
+
+@jit(do_not_specialize=["k", "rows"])
+def _dp_layer_kernel(pref_ptr, d_ptr, arg_ptr, m, k, rows,  # type: ignore[no-untyped-def]
+                     BR: tl.constexpr, BC: tl.constexpr):
+    """Free layer ``k``: rows ``r0 .. r0 + BR - 1`` of program ``r0 / BR`` (module docstring).
+
+    pref_ptr: fp64 ``[3, m + 1]``. d_ptr: fp64 ``[2, m + 1]``, ``D_k[j]`` in row ``k & 1``.
+    arg_ptr: int32 ``[K, rows]``, ``a_k(k + r)`` at ``[k, r]``.
+    """
+    stride = m + 1
+    dprev = d_ptr + ((k - 1) & 1) * stride
+    dcur = d_ptr + (k & 1) * stride
+    aprev = arg_ptr + (k - 1) * rows
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = r < rows
+    j = k + r
+    wj = tl.load(pref_ptr + j, mask=ok, other=1.0)
+    s1j = tl.load(pref_ptr + stride + j, mask=ok, other=0.0)
+    s2j = tl.load(pref_ptr + 2 * stride + j, mask=ok, other=0.0)
+    # a_{k-1}(j) is row r + 1 of layer k - 1; the top row (r = rows - 1) has none and takes
+    # a_{k-1}(j - 1).
+    lo = tl.load(aprev + tl.minimum(r + 1, rows - 1), mask=ok, other=0)
+    lo = tl.minimum(tl.maximum(lo, k), j)  # j: keep the window non-empty under rounding
+    first = tl.min(tl.where(ok, lo, _INT32_MAX), 0)
+    last = tl.max(tl.where(ok, j, 0), 0)
+    best_v = tl.full([BR], float("inf"), tl.float64)
+    best_i = lo
+    cols = tl.arange(0, BC)
+    for i0 in range(first, last + 1, BC):
+        # Full [BR, BC]: Triton 3.3's loads do not broadcast a pointer up to its mask.
+        i = tl.broadcast_to(i0 + cols[None, :], [BR, BC])
+        inside = ok[:, None] & (i >= lo[:, None]) & (i <= j[:, None])
+        v = _free_values(pref_ptr, dprev, stride, wj[:, None], s1j[:, None], s2j[:, None], i,
+                         inside)
+        v = tl.where(inside, v, float("inf"))
+        vmin = tl.min(v, 1)
+        imin = tl.min(tl.where(inside & (v == vmin[:, None]), i, _INT32_MAX), 1)
+        better = vmin < best_v  # later tiles hold larger i: strict improvement only
+        best_i = tl.where(better, imin, best_i)
+        best_v = tl.where(better, vmin, best_v)
+    tl.store(arg_ptr + k * rows + r, best_i, mask=ok)
+    # The winner's own bits (+0.0 and -0.0 tie in the comparisons above).
+    tl.store(dcur + j, _free_values(pref_ptr, dprev, stride, wj, s1j, s2j, best_i, ok), mask=ok)
+
+
+@jit(do_not_specialize=["kk", "rows"])
+def _dp_last_layer_kernel(pref_ptr, d_ptr, arg_ptr, code_ptr, cost_ptr,  # type: ignore[no-untyped-def]
+                          m, kk, rows, BLOCK: tl.constexpr):
+    """Layer ``K`` (the one row ``j = m``, fixed centre +1, ``i = K .. m``, leftmost minimum)
+    and the backtracking: codewords into code_ptr (fp64 ``[K]``), the cost into cost_ptr."""
+    stride = m + 1
+    w_ptr = pref_ptr
+    s1_ptr = pref_ptr + stride
+    dprev = d_ptr + ((kk - 1) & 1) * stride
+    wm = tl.load(w_ptr + m)
+    s1m = tl.load(s1_ptr + m)
+    s2m = tl.load(pref_ptr + 2 * stride + m)
+    lanes = tl.arange(0, BLOCK)
+    best_v = tl.full([], float("inf"), tl.float64)
+    best_i = tl.full([], 0, tl.int32)
+    for i0 in range(kk, m + 1, BLOCK):
+        i = i0 + lanes
+        ok = i <= m
+        im1 = i - 1
+        ww = wm - tl.load(w_ptr + im1, mask=ok, other=0.0)
+        s1 = s1m - tl.load(s1_ptr + im1, mask=ok, other=0.0)
+        s2 = s2m - tl.load(pref_ptr + 2 * stride + im1, mask=ok, other=0.0)
+        v = tl.load(dprev + im1, mask=ok, other=0.0) + ((s2 - 2.0 * s1) + ww)
+        v = tl.where(ok, v, float("inf"))
+        vmin = tl.min(v, 0)
+        imin = tl.min(tl.where(ok & (v == vmin), i, _INT32_MAX), 0)
+        better = vmin < best_v  # later blocks hold larger i: strict improvement only
+        best_i = tl.where(better, imin, best_i)
+        best_v = tl.where(better, vmin, best_v)
+    # The winner's own bits (+0.0 and -0.0 tie in the comparisons above).
+    im1 = best_i - 1
+    best_v = tl.load(dprev + im1) + (((s2m - tl.load(pref_ptr + 2 * stride + im1))
+                                      - 2.0 * (s1m - tl.load(s1_ptr + im1)))
+                                     + (wm - tl.load(w_ptr + im1)))
+    tl.store(cost_ptr, best_v)
+    tl.store(code_ptr, -1.0)
+    tl.store(code_ptr + kk - 1, 1.0)
+    # Backtrack: segment t + 1 = [start..end] gives codeword t, for layers kk - 1 .. 2.
+    end = best_i - 1
+    for s in range(0, kk - 2):
+        layer = kk - 1 - s
+        start = tl.load(arg_ptr + layer * rows + (end - layer))
+        mean = (tl.load(s1_ptr + end) - tl.load(s1_ptr + start - 1)) / (
+            tl.load(w_ptr + end) - tl.load(w_ptr + start - 1))
+        tl.store(code_ptr + layer - 1, mean)
+        end = start - 1
+
+
+def quantizer_prefix(points: Tensor | np.ndarray | Sequence[float],
+                     weights: Tensor | np.ndarray | Sequence[float]) -> Tensor:
+    """The fp64 prefix sums ``W, S1, S2`` of §1.8.3 as one CPU tensor ``[3, M + 1]``.
+
+    Built exactly as ``gefen_core.codebook._LayeredDP`` builds them: column 0 is 0 and the
+    sums accumulate left to right on the host (``np.cumsum`` of ``w``, ``w*x`` and
+    ``(w*x)*x``), so :func:`optimal_quantizer_dp_triton` sees the textbook's sums bit for bit
+    (a parallel scan would round differently). Move it to the device with ``.to(device)``.
+
+    Args:
+        points: 1-D, ``M`` strictly increasing values in ``[-1, 1]`` (converted to fp64).
+        weights: 1-D, ``M`` finite weights ``> 0`` (converted to fp64). Neither is checked
+            beyond shape: ``gefen_core.codebook.optimal_quantizer`` validates its inputs.
+
+    Raises:
+        ValueError: ``points`` or ``weights`` not 1-D, or of different lengths.
+    """
+    x = _as_float64(points)
+    w = _as_float64(weights)
+    if x.ndim != 1 or w.ndim != 1:
+        raise ValueError(f"points and weights must be 1-D, got shapes {list(x.shape)} and "
+                         f"{list(w.shape)}")
+    if x.size != w.size:
+        raise ValueError(f"points and weights must have the same length, got {x.size} and "
+                         f"{w.size}")
+    out = np.zeros((3, x.size + 1))
+    wx = w * x
+    np.cumsum(w, out=out[0, 1:])
+    np.cumsum(wx, out=out[1, 1:])
+    np.cumsum(wx * x, out=out[2, 1:])
+    return torch.from_numpy(out)
+
+
+def _as_float64(values: Tensor | np.ndarray | Sequence[float]) -> np.ndarray:
+    if isinstance(values, Tensor):
+        return values.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(values, dtype=np.float64)
+
+
+@on_tensor_device
+def optimal_quantizer_dp_triton(prefix: Tensor, k: int, *,
+                                _block: int | None = None) -> tuple[Tensor, Tensor]:
+    """Exact optimal ``k``-level quantizer with forced endpoints -1 and +1, on the device.
+
+    ALGORITHM.md §1.8.3 for ``M >= k`` points: the codewords and cost of
+    ``gefen_core.codebook.optimal_quantizer`` (the textbook recurrence's, tie choices
+    included), computed on the device in ``k`` launches (module docstring). Asynchronous: no
+    host sync; the scratch (about ``4 k (M - k)`` bytes of argmins plus ``O(M)``) is allocated
+    per call on ``prefix``'s device.
+
+    Args:
+        prefix: fp64 ``[3, M + 1]`` prefix sums ``W, S1, S2`` from :func:`quantizer_prefix`
+            (column 0 zero, accumulated left to right; ``W`` strictly increasing, i.e. every
+            weight positive), on a CUDA device (or the CPU under ``TRITON_INTERPRET=1``).
+        k: number of codewords, ``2 <= k <= M`` (the caller handles fewer points, open choice
+            O5).
+        _block: rows per program of a layer launch (a power of two >= 16); tests only.
+
+    Returns:
+        ``(codewords, cost)`` on ``prefix``'s device: fp64 ``[k]``, ascending, ``-1`` first and
+        ``+1`` last; fp64 ``[]``, the minimal total weighted squared error.
+
+    Raises:
+        ImportError: Triton is not installed.
+        TypeError: ``prefix`` is not an fp64 tensor, or ``k`` is not an int.
+        ValueError: ``prefix`` is not ``[3, M + 1]`` with ``M >= k``; ``k < 2``; a problem too
+            large for int32 indices; a CPU tensor outside the interpreter.
+    """
+    if not isinstance(prefix, Tensor):
+        raise TypeError(f"prefix must be a torch.Tensor, got {type(prefix).__name__}")
+    if prefix.dtype != torch.float64:
+        raise TypeError(f"prefix must be float64 (the fp64 prefix sums W, S1, S2), got "
+                        f"{prefix.dtype}")
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    if k < 2:
+        raise ValueError(f"k must be >= 2 (the endpoints -1 and +1 are forced), got {k}")
+    if prefix.dim() != 2 or prefix.shape[0] != 3 or prefix.shape[1] < 2:
+        raise ValueError(f"prefix must have shape [3, M + 1] with M >= 1, got "
+                         f"{list(prefix.shape)}")
+    m = prefix.shape[1] - 1
+    if m < k:
+        raise ValueError(f"prefix holds M = {m} points, fewer than k = {k} codewords (handle "
+                         "M < k on the host, open choice O5)")
+    rows = m - k + 1
+    if k * rows >= 2**31 or 3 * (m + 1) >= 2**31:
+        raise ValueError(f"M = {m}, k = {k} is too large for the kernel's int32 indices")
+    require_triton("the Triton quantizer DP")
+    check_device_for_triton(prefix)
+    rows_per_program = _block if _block is not None else _default_rows(rows)
+    if rows_per_program < 16 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"_block must be a power of two >= 16, got {rows_per_program}")
+    prefix = prefix.contiguous()
+    dev = prefix.device
+    d = torch.empty(2, m + 1, dtype=torch.float64, device=dev)
+    args = torch.empty(k, rows, dtype=torch.int32, device=dev)
+    codewords = torch.empty(k, dtype=torch.float64, device=dev)
+    cost = torch.empty((), dtype=torch.float64, device=dev)
+    grid = (triton.cdiv(rows, rows_per_program),)
+    _dp_first_layer_kernel[grid](prefix, d, args, m, rows, BLOCK=rows_per_program,
+                                 **LAUNCH_OPTIONS)
+    for layer in range(2, k):
+        _dp_layer_kernel[grid](prefix, d, args, m, layer, rows, BR=rows_per_program, BC=_COLS,
+                               num_warps=_NUM_WARPS, **LAUNCH_OPTIONS)
+    _dp_last_layer_kernel[(1,)](prefix, d, args, codewords, cost, m, k, rows, BLOCK=1024,
+                                **LAUNCH_OPTIONS)
+    return codewords, cost
+
+
+def _default_rows(rows: int) -> int:
+    """``_ROWS`` rows per program when compiled; in the interpreter one program for all rows
+    (its cost is per operation, nearly independent of the width)."""
+    return max(16, 1 << max(0, (rows - 1).bit_length())) if interpret_mode() else _ROWS

@@ -1,0 +1,99 @@
+"""StepPlan (the optimizer's cached launches) against the public Triton launchers: same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernels_inputs import assert_bitwise, clone_state, make_codebook, random_state
+
+from gefen_kernels._numerics import f32
+from gefen_kernels.ops.block_step import block_step_triton
+from gefen_kernels.ops.factored_step import factored_step_triton
+from gefen_kernels.ops.step_plan import StepPlan
+
+HP = dict(lr=3e-3, bc1_recip=1.0 / (1.0 - 0.9**3), bc2=1.0 / (1.0 - 0.999**3), decay=0.99997)
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rounded(hp: dict[str, float]) -> dict[str, float]:
+    return {k: f32(v) for k, v in hp.items()}
+
+
+@pytest.mark.parametrize("num_blocks,period,dtype,flags", [
+    (30, 7, torch.bfloat16, {}),
+    (3, 1024, torch.float32, {"maximize": True, "stochastic_round": True}),
+    (2, 4099, torch.float16, {}),  # split route: the plan delegates to the generic launcher
+])
+def test_block_plan_matches_block_step_triton(num_blocks, period, dtype, flags) -> None:
+    dev = _device()
+    gen = torch.Generator().manual_seed(period)
+    n = num_blocks * period
+    param = torch.randn(n, generator=gen).to(dtype).to(dev)
+    grad = torch.randn(n, generator=gen).to(dtype).to(dev)
+    st = {k: v.to(dev) for k, v in random_state(num_blocks, period, seed=period).items()}
+    cb = make_codebook(period).to(dev)
+    maximize = flags.get("maximize", False)
+    stochastic = flags.get("stochastic_round", False)
+    a_p, a = param.clone(), clone_state(st)
+    block_step_triton(a_p, grad, a["codes"], a["scale"], a["exp_avg_sq"], cb, beta1=0.9,
+                      beta2=0.999, eps=1e-8, bc1_recip=HP["bc1_recip"], bc2_rsqrt=HP["bc2"],
+                      lr=HP["lr"], decay=HP["decay"], maximize=maximize,
+                      stochastic_round=stochastic, seed=-5)
+    b_p, b = param.clone(), clone_state(st)
+    plan = StepPlan(b_p, b["codes"], b["scale"], b["exp_avg_sq"], None, None, cb, beta1=0.9,
+                    beta2=0.999, eps=1e-8, maximize=maximize, stochastic_round=stochastic,
+                    capturable=False)
+    plan.launch(grad, seed=-5, **_rounded(HP))
+    assert_bitwise(b_p, a_p, "param")
+    for k in a:
+        assert_bitwise(b[k], a[k], k)
+    assert plan.matches(b_p, b["codes"], b["scale"], b["exp_avg_sq"], None, None, cb)
+    assert not plan.matches(b_p, a["codes"], b["scale"], b["exp_avg_sq"], None, None, cb)
+    cb.add_(0.0)  # an in-place change of the codebook invalidates the plan
+    assert not plan.matches(b_p, b["codes"], b["scale"], b["exp_avg_sq"], None, None, cb)
+    with pytest.raises(ValueError, match="grad must be contiguous with shape"):
+        plan.launch(grad[:-1], seed=0, **_rounded(HP))
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_factored_plan_matches_factored_step_triton(capturable: bool) -> None:
+    dev = _device()
+    gen = torch.Generator().manual_seed(4)
+    rows, cols, period = 24, 40, 20
+    param = torch.randn(rows, cols, generator=gen).to(torch.bfloat16).to(dev)
+    grad = torch.randn(rows, cols, generator=gen).to(dev)
+    grad[3] = 0.0  # a zero-gradient row: its statistics decay, its partial sums are 0
+    st = {k: v.to(dev) for k, v in random_state(rows * cols // period, period, seed=4).items()}
+    del st["exp_avg_sq"]
+    st["row"] = (torch.rand(rows, generator=gen) * 1e-3).to(dev)
+    st["col"] = (torch.rand(cols, generator=gen) * 1e-3).to(dev)
+    cb = make_codebook(4).to(dev)
+    hyper = torch.tensor([HP["lr"], HP["bc2"], HP["bc1_recip"], HP["decay"]], device=dev)
+    seed_t = torch.tensor([11], device=dev)
+    dev_kw = dict(hyper=hyper, seed_tensor=seed_t) if capturable else {}
+    a_p, a = param.clone(), clone_state(st)
+    factored_step_triton(a_p, grad, a["codes"], a["scale"], a["row"], a["col"], cb, beta1=0.9,
+                         beta2=0.999, eps=1e-8, bc1_recip=HP["bc1_recip"], bc2_recip=HP["bc2"],
+                         lr=HP["lr"], decay=HP["decay"], stochastic_round=True, seed=11,
+                         **dev_kw)
+    b_p, b = param.clone(), clone_state(st)
+    plan = StepPlan(b_p, b["codes"], b["scale"], None, b["row"], b["col"], cb, beta1=0.9,
+                    beta2=0.999, eps=1e-8, maximize=False, stochastic_round=True,
+                    capturable=capturable)
+    plan.launch(grad, seed=11, **_rounded(HP), **dev_kw)
+    assert_bitwise(b_p, a_p, "param")
+    for k in a:
+        assert_bitwise(b[k], a[k], k)
+
+
+def test_plan_refuses_bad_state_at_construction() -> None:
+    dev = _device()  # CPU tensors outside the interpreter would fail the device check first
+    param = torch.zeros(8, 6, device=dev)
+    with pytest.raises(ValueError, match="exp_avg_sq_col must have shape"):
+        StepPlan(param, torch.zeros(4, 12, dtype=torch.uint8, device=dev),
+                 torch.zeros(4, 1, device=dev), None, torch.zeros(8, device=dev),
+                 torch.zeros(5, device=dev), make_codebook(1).to(dev), beta1=0.9, beta2=0.999,
+                 eps=1e-8, maximize=False, stochastic_round=False, capturable=False)

@@ -1,0 +1,5 @@
+"""gefen-bench."""
+
+from ._version import __version__
+
+__all__ = ["__version__"]

@@ -1,0 +1,108 @@
+"""PyTorch building blocks of the codeword search (§1.9), shared by every reference op.
+
+Kept apart from :mod:`gefen_kernels.ops.quantize` so the step references can use them without
+going through the custom-op layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._numerics import HISTOGRAM_BINS, NUM_CODEWORDS, SR_MUL0, SR_MUL1, SR_MUL2, to_signed64
+from ._search_table import search_table
+
+_M0 = to_signed64(SR_MUL0)
+_M1 = to_signed64(SR_MUL1)
+_M2 = to_signed64(SR_MUL2)
+
+
+def _lshr(z: Tensor, k: int) -> Tensor:
+    # torch's >> on int64 is arithmetic; mask off the copies of the sign bit for a logical shift.
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def sr_uniform_int64(seed: int | Tensor, index: Tensor) -> Tensor:
+    """§1.9 hash: fp32 uniforms in [0, 1) with 24 random bits, from int64 ``index``.
+
+    ``seed`` is a Python int (two's complement) or an int64 tensor broadcastable to ``index``.
+    All arithmetic is int64 with wrapping multiplication, i.e. arithmetic modulo 2**64.
+    """
+    if isinstance(seed, int):
+        seed = to_signed64(seed)
+    z = (index + 1) * _M0 + seed
+    z = (z ^ _lshr(z, 30)) * _M1
+    z = (z ^ _lshr(z, 27)) * _M2
+    z = z ^ _lshr(z, 31)
+    return _lshr(z, 40).to(torch.float32) * (2.0**-24)
+
+
+def _lower_bound(x: Tensor, codebook: Tensor) -> Tensor:
+    """``searchsorted(codebook, x, right=False)`` via the §1.8.4 bucket table (int32 result).
+
+    Every codeword below ``L[b]`` is below ``x`` and every one from ``L[b + 1]`` on is above
+    it (see :mod:`gefen_kernels.ops._search_table`), so a branchless binary search over the
+    at most ``widest`` codewords of bucket ``b`` (``steps`` probes) gives the same lower bound
+    as the full search for every ``x``; NaN only needs some valid index (callers mask it).
+    int32 indices halve the memory traffic of the int64 ones on CPU.
+    """
+    if (x.dtype != torch.float32 or codebook.dtype != torch.float32 or x.device.type != "cpu"
+            or x.dim() != 1):
+        return torch.searchsorted(codebook, x, right=False)
+    table, steps = search_table(codebook)
+    if table is codebook:
+        return torch.searchsorted(codebook, x, right=False)
+    # Same fp32 operations as build_search_table, so x and the codewords share the bucket map.
+    bucket = (x + 1.0).mul_(float(HISTOGRAM_BINS // 2)).floor_()
+    bucket = bucket.nan_to_num_(nan=0.0).clamp_(0, HISTOGRAM_BINS - 1).to(torch.int32)
+    base = table.index_select(0, bucket)
+    count = table.index_select(0, bucket.add_(1)).sub_(base)
+    del bucket
+    # With count == 0 a probe reads the first codeword of a higher bucket (above x, so it does
+    # not move) or, past the last bucket, this +inf padding.
+    padded = torch.cat([codebook, codebook.new_full((1,), float("inf"))])
+    for _ in range(steps):
+        half = count >> 1
+        mid = base + half
+        less = padded.index_select(0, mid) < x
+        base = torch.where(less, mid.add_(1), base)
+        count = torch.where(less, count.sub_(half).sub_(1), half)
+    return base
+
+
+def _brackets(x: Tensor, codebook: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """lower_bound, R = clamp(j, 0, K-1), L = max(R-1, 0) (§1.9) for fp32 ``x``."""
+    j = _lower_bound(x, codebook)
+    right = j.clamp_(max=NUM_CODEWORDS - 1)
+    left = (right - 1).clamp_(min=0)
+    return j, right, left
+
+
+def nearest_codes(x: Tensor, codebook: Tensor) -> Tensor:
+    """Nearest codeword index (int64) of fp32 ``x``; ties to the lower index; NaN -> 0."""
+    if x.dim() != 1:
+        return nearest_codes(x.reshape(-1), codebook).view(x.shape)
+    _, right, left = _brackets(x, codebook)
+    d_left = torch.sub(x, codebook.index_select(0, left)).abs_()
+    d_right = torch.sub(x, codebook.index_select(0, right)).abs_()
+    # left == right (x at or below c[0]) gives equal distances, hence left: ties to the lower.
+    q = left.add_(torch.gt(d_left, d_right))
+    del d_left, d_right, right
+    # Above +1 must give 255 even where fp32 distances to c[254] and c[255] tie (|x| huge).
+    q.masked_fill_(x > codebook[NUM_CODEWORDS - 1], NUM_CODEWORDS - 1)
+    return q.masked_fill_(torch.isnan(x), 0).long()
+
+
+def stochastic_codes(x: Tensor, codebook: Tensor, u: Tensor) -> Tensor:
+    """Stochastic rounding (§1.9) of fp32 ``x`` with fp32 uniforms ``u``; NaN -> 0."""
+    if x.dim() != 1:
+        u = u.expand(x.shape).reshape(-1)
+        return stochastic_codes(x.reshape(-1), codebook, u).view(x.shape)
+    _, right, left = _brackets(x, codebook)
+    c_left = codebook.index_select(0, left)
+    c_right = codebook.index_select(0, right)
+    width = c_right - c_left
+    clamped = torch.minimum(torch.maximum(x, c_left), c_right)
+    p_up = torch.where(width > 0, (clamped - c_left) / torch.where(width > 0, width, 1.0), 0.0)
+    q = torch.where(u < p_up, right, left)
+    return torch.where(torch.isnan(x), 0, q).long()

@@ -32,6 +32,7 @@ from kernel_sweep import diagnostic_plan, median_event_ms
 
 import gefen_kernels.ops as ops_pkg
 from gefen_kernels.ops._search_table import kernel_table
+from gefen_kernels.ops._step_kernels import tile_shape
 from gefen_kernels.ops.factored_step import factored_stats_triton
 
 NCOLS = 8192
@@ -189,8 +190,30 @@ def _any_tail(period: int) -> dict[str, int]:
     return {"TAIL": tail if tail >= 16 else 0}
 
 
+# Two head-and-tail blocks per program instead of one (production: BPP = 2048 // P2), so the
+# per-program work (the staged lookup, the codebook copies) is spread over twice the elements.
+VARIANTS["tail_bpp2"] = ("candidate (factored): two blocks per head-and-tail program, 8 warps", [])
+VARIANTS["tail_bpp2_w4"] = (
+    "candidate (factored): two blocks per head-and-tail program, 4 warps",
+    [],
+)
+
+
+def _tail_bpp2(warps: int) -> Any:
+    def overrides(period: int) -> dict[str, int]:
+        p2, bpp, tail = tile_shape(period, True)
+        return {"BPP": 2 * bpp, "num_warps": warps} if tail else {}
+
+    return overrides
+
+
 # Variants launched with other constexprs: variant -> (period -> overrides of the plan's).
-CONSTS: dict[str, Any] = {"one_tile": lambda period: {"TAIL": 0}, "any_tail": _any_tail}
+CONSTS: dict[str, Any] = {
+    "one_tile": lambda period: {"TAIL": 0},
+    "any_tail": _any_tail,
+    "tail_bpp2": _tail_bpp2(8),
+    "tail_bpp2_w4": _tail_bpp2(4),
+}
 VARIANTS["all_ablations"] = (
     "ablation: every ablation and candidate above at once",
     [
@@ -341,10 +364,13 @@ class Case:
                 self._tables[layout] = layout(self.plan._table)
             args = (*args[:9], self._tables[layout], *args[10:])
         consts = dict(self.plan._consts)
+        grid = self.plan._grid
         overrides = getattr(module, "_ABL_CONSTS", None)
         if overrides is not None and self.factored:  # a tail piece is factored mode's only
             consts.update(overrides(self.period))
-        module._step_tile_kernel[self.plan._grid](*args, 0, **consts)
+            if consts["BPP"] != self.plan._consts["BPP"]:
+                grid = (-(-self.plan._ints[0] // consts["BPP"]),)
+        module._step_tile_kernel[grid](*args, 0, **consts)
 
 
 def _differing(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -412,6 +412,9 @@ def test_gpt2_shaped_list_equals_one_launch_per_plan_gpu(scratch_bytes, monkeypa
         assert [p.route for p in plans[3:5]] == ["loop", "split"]
         grads = [it["grad"] for it in b]
         groups = StepGroups(plans, grads)
+        # The small block-mode classes run on the side stream, the matrices' on the current.
+        assert groups._stream is not None
+        assert any(c.side for c in groups._classes) and not all(c.side for c in groups._classes)
         for _ in range(2):
             for plan, it, (lr, bc1, bc2, decay), seed in zip(_plans(a, cb, **options), a,
                                                              scalars, seeds):
@@ -419,3 +422,136 @@ def test_gpt2_shaped_list_equals_one_launch_per_plan_gpu(scratch_bytes, monkeypa
             groups.launch(grads, scalars, seeds)
         torch.cuda.synchronize()
         _compare(b, a)
+
+
+def test_small_classes_follow_the_side_limits(monkeypatch) -> None:
+    """``_Launches.small``: a tile launch of at most SIDE_PROGRAMS programs and (factored) at
+    most SIDE_SCRATCH_BYTES of scratch per chunk; a statistics-only class never. Off CUDA no
+    class runs on a side stream."""
+    dev = _device()
+    cb = make_codebook(2).to(dev)
+    items = _tensors(dev, seed=5)
+    plans = _plans(items, cb, maximize=False, stochastic_round=False)
+    grads = [it["grad"] for it in items]
+    groups = StepGroups(plans, grads)
+    classes = groups._classes
+    assert any(c.factored for c in classes) and any(not c.factored for c in classes)
+    assert any(c.stats_only for c in classes)
+    monkeypatch.setattr(step_groups, "SIDE_PROGRAMS", 10**9)
+    monkeypatch.setattr(step_groups, "SIDE_SCRATCH_BYTES", 1 << 40)
+    assert [c.small() for c in classes] == [not c.stats_only for c in classes]
+    monkeypatch.setattr(step_groups, "SIDE_SCRATCH_BYTES", 0)
+    assert [c.small() for c in classes] == [not c.factored for c in classes]
+    monkeypatch.setattr(step_groups, "SIDE_SCRATCH_BYTES", 1 << 40)
+    monkeypatch.setattr(step_groups, "SIDE_PROGRAMS", 0)
+    assert not any(c.small() for c in classes)
+    # One program more than the largest block-mode class leaves every block class small.
+    largest = max(sum(ch["n_tile"] for ch in c.chunks) for c in classes if not c.factored)
+    monkeypatch.setattr(step_groups, "SIDE_PROGRAMS", largest)
+    assert all(c.small() for c in classes if not c.factored)
+    monkeypatch.setattr(step_groups, "SIDE_PROGRAMS", largest - 1)
+    assert not all(c.small() for c in classes if not c.factored)
+    if dev == "cpu":
+        assert groups._stream is None and not any(c.side for c in classes)
+
+
+def _side_stream_case(seed: int) -> tuple[list[dict[str, Any]], list[tuple[float, ...]], list[int]]:
+    """A factored [2048, 2048] matrix (2048 tile programs: the current stream) and small
+    block-mode vectors of several classes (the side stream), bf16."""
+    shapes: list[tuple[tuple[int, ...], int]] = [((2048, 2048), 2048), ((768,), 16),
+                                                 ((768,), 48), ((2304,), 36), ((3072,), 1536)]
+    items = []
+    for j, (shape, period) in enumerate(shapes):
+        gen = torch.Generator(device="cuda").manual_seed(seed + j)
+        n = shape[0] * (shape[1] if len(shape) == 2 else 1)
+        st = random_state(n // period, period, seed=seed + j, device="cuda")
+        item: dict[str, Any] = {
+            "param": torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16),
+            "grad": torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16),
+            "codes": st["codes"], "scale": st["scale"]}
+        if len(shape) == 2:
+            item.update(sq=None, row=torch.rand(shape[0], generator=gen, device="cuda"),
+                        col=torch.rand(shape[1], generator=gen, device="cuda"))
+        else:
+            item.update(sq=st["exp_avg_sq"], row=None, col=None)
+        items.append(item)
+    scalars = [_scalars(j, len(s) == 2) for j, (s, _) in enumerate(shapes)]
+    return items, scalars, [77 + j for j in range(len(shapes))]
+
+
+@pytest.mark.gpu
+def test_side_stream_is_ordered_with_the_current_stream_gpu(monkeypatch) -> None:
+    """The small classes run on the side stream after the work the current stream queued
+    before the step, and the current stream's later work waits for them. The side launches
+    are delayed by a device sleep, the gradients are written on the current stream after a
+    sleep, and garbage overwrites them on the current stream right after the step: a missing
+    wait at either end changes the side classes' results."""
+    items, scalars, seeds = _side_stream_case(seed=11)
+    a, b = _clone(items), _clone(items)
+    options = {"maximize": False, "stochastic_round": True}
+    for plan, it, (lr, bc1, bc2, decay), seed in zip(_plans(a, cb := make_codebook(5).cuda(),
+                                                             **options), a, scalars, seeds):
+        plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
+    true_grads = [it["grad"].clone() for it in b]
+    for it in b:
+        it["grad"].zero_()
+    plans = _plans(b, cb, **options)
+    grads = [it["grad"] for it in b]
+    groups = StepGroups(plans, grads)
+    assert groups._stream is not None
+    assert [c.side for c in groups._classes] == [not c.factored for c in groups._classes]
+    launch_class = StepGroups._launch_class
+
+    def delayed(self: StepGroups, cls: Any, *args: Any) -> None:
+        if cls.side:
+            torch.cuda._sleep(20_000_000)  # on the side stream: about 10 ms
+        launch_class(self, cls, *args)
+
+    monkeypatch.setattr(StepGroups, "_launch_class", delayed)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(20_000_000)  # the gradients arrive late on the current stream
+    for g, true in zip(grads, true_grads):
+        g.copy_(true)
+    groups.launch(grads, scalars, seeds)
+    for g in grads:
+        g.fill_(float("nan"))
+    torch.cuda.synchronize()
+    _compare(b, a)
+
+
+@pytest.mark.gpu
+def test_side_stream_launches_replay_from_a_cuda_graph_gpu() -> None:
+    """launch_staged with side-stream classes, captured in a CUDA graph and replayed over two
+    steps with new staged scalars and seeds, gives the bits of eager launch()."""
+    items, scalars, seeds = _side_stream_case(seed=23)
+    a, b = _clone(items), _clone(items)
+    cb = make_codebook(6).cuda()
+    options = {"maximize": False, "stochastic_round": True}
+    plans_a, plans_b = _plans(a, cb, **options), _plans(b, cb, **options)
+    grads_a, grads_b = [it["grad"] for it in a], [it["grad"] for it in b]
+    groups_a, groups_b = StepGroups(plans_a, grads_a), StepGroups(plans_b, grads_b)
+    assert groups_b._stream is not None and any(c.side for c in groups_b._classes)
+    buffer = torch.empty(4 * len(items), dtype=torch.int64, device="cuda")
+    # Warm-up on a side stream (compilation and the search table), as graph capture asks.
+    warm = _clone(items)
+    groups_w = StepGroups(_plans(warm, cb, **options), [it["grad"] for it in warm])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        groups_w.stage([it["grad"] for it in warm], scalars, seeds, out=buffer)
+        groups_w.launch_staged([it["grad"] for it in warm], buffer, None, None,
+                               device_scalars=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        groups_b.launch_staged(grads_b, buffer, None, None, device_scalars=True)
+    for step in range(2):
+        step_scalars = [_scalars(j + 3 * step, len(it["param"].shape) == 2)
+                        for j, it in enumerate(items)]
+        step_seeds = [s + step for s in seeds]
+        groups_a.launch(grads_a, step_scalars, step_seeds)
+        groups_b.stage(grads_b, step_scalars, step_seeds, out=buffer)
+        graph.replay()
+    torch.cuda.synchronize()
+    _compare(b, a)

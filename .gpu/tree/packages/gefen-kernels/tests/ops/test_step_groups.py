@@ -452,14 +452,17 @@ def test_small_classes_follow_the_side_limits(monkeypatch) -> None:
     monkeypatch.setattr(step_groups, "SIDE_PROGRAMS", largest - 1)
     assert not all(c.small() for c in classes if not c.factored)
     if dev == "cpu":
-        assert groups._stream is None and not any(c.side for c in classes)
+        assert groups._stream is None and groups._chain_stream is None
+        assert not any(c.side for c in classes)
 
 
 def _side_stream_case(seed: int) -> tuple[list[dict[str, Any]], list[tuple[float, ...]], list[int]]:
-    """A factored [2048, 2048] matrix (2048 tile programs: the current stream) and small
-    block-mode vectors of several classes (the side stream), bf16."""
-    shapes: list[tuple[tuple[int, ...], int]] = [((2048, 2048), 2048), ((768,), 16),
-                                                 ((768,), 48), ((2304,), 36), ((3072,), 1536)]
+    """Two factored matrices of two classes (2048 tile programs each: the current stream and
+    the chain stream) and small block-mode vectors of several classes (the side stream),
+    bf16."""
+    shapes: list[tuple[tuple[int, ...], int]] = [((2048, 2048), 2048), ((4096, 1024), 1024),
+                                                 ((768,), 16), ((768,), 48), ((2304,), 36),
+                                                 ((3072,), 1536)]
     items = []
     for j, (shape, period) in enumerate(shapes):
         gen = torch.Generator(device="cuda").manual_seed(seed + j)
@@ -481,11 +484,11 @@ def _side_stream_case(seed: int) -> tuple[list[dict[str, Any]], list[tuple[float
 
 @pytest.mark.gpu
 def test_side_stream_is_ordered_with_the_current_stream_gpu(monkeypatch) -> None:
-    """The small classes run on the side stream after the work the current stream queued
-    before the step, and the current stream's later work waits for them. The side launches
-    are delayed by a device sleep, the gradients are written on the current stream after a
-    sleep, and garbage overwrites them on the current stream right after the step: a missing
-    wait at either end changes the side classes' results."""
+    """The small classes (side stream) and every second large chunk (chain stream) run after
+    the work the current stream queued before the step, and the current stream's later work
+    waits for them. Their launches are delayed by a device sleep, the gradients are written
+    on the current stream after a sleep, and garbage overwrites them on the current stream
+    right after the step: a missing wait at either end of either stream changes results."""
     items, scalars, seeds = _side_stream_case(seed=11)
     a, b = _clone(items), _clone(items)
     options = {"maximize": False, "stochastic_round": True}
@@ -498,13 +501,18 @@ def test_side_stream_is_ordered_with_the_current_stream_gpu(monkeypatch) -> None
     plans = _plans(b, cb, **options)
     grads = [it["grad"] for it in b]
     groups = StepGroups(plans, grads)
-    assert groups._stream is not None
+    assert groups._stream is not None and groups._chain_stream is not None
     assert [c.side for c in groups._classes] == [not c.factored for c in groups._classes]
+    assert len(groups._chain) == 2
     launch_class = StepGroups._launch_class
+    current = torch.cuda.current_stream()
+    delays = Counter()
 
     def delayed(self: StepGroups, cls: Any, *args: Any) -> None:
-        if cls.side:
-            torch.cuda._sleep(20_000_000)  # on the side stream: about 10 ms
+        stream = torch.cuda.current_stream()
+        if stream != current:
+            torch.cuda._sleep(20_000_000)  # on the side or chain stream: about 10 ms
+            delays["side" if stream == self._stream else "chain"] += 1
         launch_class(self, cls, *args)
 
     monkeypatch.setattr(StepGroups, "_launch_class", delayed)
@@ -517,6 +525,7 @@ def test_side_stream_is_ordered_with_the_current_stream_gpu(monkeypatch) -> None
         g.fill_(float("nan"))
     torch.cuda.synchronize()
     _compare(b, a)
+    assert delays == {"side": 4, "chain": 1}
 
 
 @pytest.mark.gpu
@@ -531,6 +540,7 @@ def test_side_stream_launches_replay_from_a_cuda_graph_gpu() -> None:
     grads_a, grads_b = [it["grad"] for it in a], [it["grad"] for it in b]
     groups_a, groups_b = StepGroups(plans_a, grads_a), StepGroups(plans_b, grads_b)
     assert groups_b._stream is not None and any(c.side for c in groups_b._classes)
+    assert groups_b._chain_stream is not None
     buffer = torch.empty(4 * len(items), dtype=torch.int64, device="cuda")
     # Warm-up on a side stream (compilation and the search table), as graph capture asks.
     warm = _clone(items)

@@ -34,7 +34,7 @@ with the same scalars and seeds.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +63,15 @@ __all__ = ["GROUP_SCRATCH_BYTES", "StepGroups", "tile_meta_row"]
 # Statistics scratch of one factored launch chunk. A step's peak extra memory is this, not
 # the sum over the model (a Llama-3.2-1B step's partials total about 130 MiB).
 GROUP_SCRATCH_BYTES = 12 << 20
+# A class whose tile launch has at most this many programs, and whose statistics scratch (if
+# factored) fits SIDE_SCRATCH_BYTES, runs on a high-priority side stream beside the larger
+# classes (CUDA only, and only where a larger class exists). Such a launch is bound by its
+# own latency, not by the device: a CUDA graph of GPT-2 small's step ran twelve block-mode
+# launches of 5-9 µs each (about 80 µs of a 1.13 ms step) one after another
+# (docs/results/h200-2026-12-01-session17/call8_profile_gpt2.txt). About one wave of the tile
+# kernel (132 SMs, six 4-warp programs each at its 37.5 % occupancy).
+SIDE_PROGRAMS = 1024
+SIDE_SCRATCH_BYTES = 1 << 20
 # Device copies of gradient offsets kept per StepGroups for capturable steps
 # (StepGroups.device_offsets): enough for the few gradient layouts a training loop cycles
 # through, bounded where the gradients move every step.
@@ -173,6 +182,7 @@ class _Launches:
                                                       "STEPS", "OFFS64", "IN_ROW",
                                                       "num_warps")})
         self.layout = first._stats_layout
+        self.side = False  # launched on the side stream (StepGroups.__init__)
         # The class's bases are the first member's parameter, codes and scales, looked up
         # through its plan when needed: the tables hold no tensor, so an optimizer's state is
         # freed with it (a cache keyed weakly on a state tensor stays weak).
@@ -189,6 +199,15 @@ class _Launches:
             used += need
         if chunk:
             self.chunks.append(self._build(chunk, plans, device))
+
+    def small(self) -> bool:
+        """Whether this class may run on the side stream: a tile launch of at most
+        :data:`SIDE_PROGRAMS` programs in all, and at most :data:`SIDE_SCRATCH_BYTES` of
+        statistics scratch per chunk (a statistics-only class launches its updates alone)."""
+        return (not self.stats_only
+                and sum(chunk["n_tile"] for chunk in self.chunks) <= SIDE_PROGRAMS
+                and all(4 * (chunk["scratch"] + chunk["tensors"]) <= SIDE_SCRATCH_BYTES
+                        for chunk in self.chunks if self.factored))
 
     @staticmethod
     def _region_floats(plan: StepPlan) -> int:
@@ -320,6 +339,16 @@ class StepGroups:
             classes.setdefault(key, []).append(i)
         self._classes = [_Launches(key, members, plans, self.device)
                          for key, members in classes.items()]
+        # The classes launched on the side stream (SIDE_PROGRAMS): small ones, where a
+        # larger class or lone plan runs beside them.
+        small = [cls.small() for cls in self._classes]
+        self._stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda" and any(small) and (self._singles or not all(small)):
+            for cls, is_small in zip(self._classes, small):
+                cls.side = is_small
+            # From torch's per-device pool of high-priority streams (no stream is created): a
+            # small launch then starts as soon as a large one's programs leave room for it.
+            self._stream = torch.cuda.Stream(self.device, priority=-1)
         # Per class, the address its gradients' offsets are measured from: a 16-byte tensor
         # of the gradients' dtype owned by the groups, not a gradient, so the launches depend
         # on no gradient's address but through the staged offsets (a captured graph stays
@@ -467,7 +496,7 @@ class StepGroups:
         replayed after each new :meth:`stage` into the same buffer. Both give the same bits."""
         n = len(self._plans)
         hyper = buffer[:2 * n].view(torch.float32).view(n, 4)
-        gptr, seed_table = buffer[2 * n:3 * n], buffer[3 * n:]
+        seed_table = buffer[3 * n:]
 
         def alone(i: int) -> dict[str, Any]:
             if device_scalars:
@@ -478,49 +507,72 @@ class StepGroups:
             return dict(lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay,
                         seed=0 if seeds is None else seeds[i])
 
+        stream = self._stream
+        current = torch.cuda.current_stream(self.device) if stream is not None else None
+        if stream is not None:
+            # Issued first, so the small launches start beside the first large one. The side
+            # stream reads this step's buffer and gradients, and the current stream waits for
+            # it before this returns: nothing it reads is freed and reused before then. (If
+            # the pool hands out the current stream itself, the launches just run in order.)
+            stream.wait_stream(current)  # type: ignore[arg-type]
+            with torch.cuda.stream(stream):
+                for cls in self._classes:
+                    if cls.side:
+                        self._launch_class(cls, grads, buffer, alone)
         for i in self._singles:
             self._plans[i].launch(grads[i], **alone(i))
+        for cls in self._classes:
+            if not cls.side:
+                self._launch_class(cls, grads, buffer, alone)
+        if stream is not None:
+            current.wait_stream(stream)  # type: ignore[union-attr]
+
+    def _launch_class(self, cls: _Launches, grads: Sequence[Tensor], buffer: Tensor,
+                      alone: Callable[[int], dict[str, Any]]) -> None:
+        """One class's launches, chunk by chunk, on the current stream."""
+        n = len(self._plans)
+        hyper = buffer[:2 * n].view(torch.float32).view(n, 4)
+        gptr, seed_table = buffer[2 * n:3 * n], buffer[3 * n:]
         first = self._plans[0]
         codebook = first.tensors()[6]
         b1, omb1, b2, omb2, eps = first._floats
         scratch: Tensor | None
         tickets: Tensor | None
-        for cls in self._classes:
-            c = cls.consts
-            sp = cls.specs
-            p_base, q_base, f_base = cls.bases()
-            g_base = cls.g_anchor
-            for chunk in cls.chunks:
-                # The previous chunk's scratch goes back to the allocator before this one's
-                # is taken (stream order makes the reuse safe): the peak is one chunk's.
-                scratch = tickets = None
-                if cls.factored:
-                    scratch = torch.empty(chunk["scratch"] + chunk["tensors"],
-                                          dtype=torch.float32, device=self.device)
-                    tickets = scratch[chunk["scratch"]:].view(torch.int32)
-                    rb, cb = cls.layout[:2]  # type: ignore[index]
-                    _group_stats_kernel[(chunk["n_stats"],)](
-                        chunk["meta"], chunk["stats"], gptr, g_base, scratch, tickets,
-                        G_VEC=cls.g_vec, RB=rb, CB=cb, SPEC_NROWS=sp[2], SPEC_NCOLS=sp[1],
-                        SPEC_TILES=sp[3], SPEC_SPLITS=sp[4], SPEC_TPS=sp[5], SPEC_RPP=sp[6],
-                        COL_PART_ALIGNED=bool(sp[8]),
-                        PREFETCH=stats_prefetch(_ELEMENT_BYTES[g_base.dtype]), num_warps=8,
-                        **LAUNCH_OPTIONS)
-                    _group_finalize_kernel[(chunk["n_finalize"],)](
-                        chunk["meta"], chunk["finalize"], f_base, scratch, tickets, b2, omb2,
-                        SPEC_NROWS=sp[2], SPEC_NCOLS=sp[1], SPEC_SPLITS=sp[4], SPEC_NRP=sp[7],
-                        COL_PART_ALIGNED=bool(sp[8]), BLOCK_SUM_ALIGNED=bool(sp[9]),
-                        **_FIN_CONSTS)
-                if cls.stats_only:
-                    assert scratch is not None
-                    for i, at in zip(chunk["members"], chunk["inv_rbar_at"]):
-                        self._plans[i].launch_update(grads[i], scratch[at:at + 1], **alone(i))
-                    continue
-                _group_tile_kernel[(chunk["n_tile"],)](
-                    chunk["meta"], chunk["tile"], gptr, p_base, g_base, q_base, f_base,
-                    codebook if scratch is None else scratch, codebook, first._table,
-                    hyper, seed_table, b1, omb1, b2, omb2, eps, P_VEC=cls.p_vec,
-                    G_VEC=cls.g_vec, BPP=c["BPP"], P2=c["P2"], TAIL=c["TAIL"],
-                    FACTORED=cls.factored, MAXIMIZE=c["MAXIMIZE"], STOCHASTIC=c["STOCHASTIC"],
-                    STEPS=c["STEPS"], OFFS64=c["OFFS64"], IN_ROW=c["IN_ROW"], SPEC_PERIOD=sp[0],
-                    SPEC_NCOLS=sp[1], num_warps=c["num_warps"], **LAUNCH_OPTIONS)
+        c = cls.consts
+        sp = cls.specs
+        p_base, q_base, f_base = cls.bases()
+        g_base = cls.g_anchor
+        for chunk in cls.chunks:
+            # The previous chunk's scratch goes back to the allocator before this one's
+            # is taken (stream order makes the reuse safe): the peak is one chunk's.
+            scratch = tickets = None
+            if cls.factored:
+                scratch = torch.empty(chunk["scratch"] + chunk["tensors"],
+                                      dtype=torch.float32, device=self.device)
+                tickets = scratch[chunk["scratch"]:].view(torch.int32)
+                rb, cb = cls.layout[:2]  # type: ignore[index]
+                _group_stats_kernel[(chunk["n_stats"],)](
+                    chunk["meta"], chunk["stats"], gptr, g_base, scratch, tickets,
+                    G_VEC=cls.g_vec, RB=rb, CB=cb, SPEC_NROWS=sp[2], SPEC_NCOLS=sp[1],
+                    SPEC_TILES=sp[3], SPEC_SPLITS=sp[4], SPEC_TPS=sp[5], SPEC_RPP=sp[6],
+                    COL_PART_ALIGNED=bool(sp[8]),
+                    PREFETCH=stats_prefetch(_ELEMENT_BYTES[g_base.dtype]), num_warps=8,
+                    **LAUNCH_OPTIONS)
+                _group_finalize_kernel[(chunk["n_finalize"],)](
+                    chunk["meta"], chunk["finalize"], f_base, scratch, tickets, b2, omb2,
+                    SPEC_NROWS=sp[2], SPEC_NCOLS=sp[1], SPEC_SPLITS=sp[4], SPEC_NRP=sp[7],
+                    COL_PART_ALIGNED=bool(sp[8]), BLOCK_SUM_ALIGNED=bool(sp[9]),
+                    **_FIN_CONSTS)
+            if cls.stats_only:
+                assert scratch is not None
+                for i, at in zip(chunk["members"], chunk["inv_rbar_at"]):
+                    self._plans[i].launch_update(grads[i], scratch[at:at + 1], **alone(i))
+                continue
+            _group_tile_kernel[(chunk["n_tile"],)](
+                chunk["meta"], chunk["tile"], gptr, p_base, g_base, q_base, f_base,
+                codebook if scratch is None else scratch, codebook, first._table,
+                hyper, seed_table, b1, omb1, b2, omb2, eps, P_VEC=cls.p_vec,
+                G_VEC=cls.g_vec, BPP=c["BPP"], P2=c["P2"], TAIL=c["TAIL"],
+                FACTORED=cls.factored, MAXIMIZE=c["MAXIMIZE"], STOCHASTIC=c["STOCHASTIC"],
+                STEPS=c["STEPS"], OFFS64=c["OFFS64"], IN_ROW=c["IN_ROW"], SPEC_PERIOD=sp[0],
+                SPEC_NCOLS=sp[1], num_warps=c["num_warps"], **LAUNCH_OPTIONS)

@@ -60,9 +60,14 @@ from .step_plan import StepPlan
 
 __all__ = ["GROUP_SCRATCH_BYTES", "StepGroups", "tile_meta_row"]
 
-# Statistics scratch of one factored launch chunk. A step's peak extra memory is this, not
-# the sum over the model (a Llama-3.2-1B step's partials total about 130 MiB).
-GROUP_SCRATCH_BYTES = 12 << 20
+# Statistics scratch of one factored launch chunk. A step's peak extra memory is two of these
+# (CHAIN_STREAMS) and a side stream's chunk, not the sum over the model (a Llama-3.2-1B
+# step's partials total about 130 MiB).
+GROUP_SCRATCH_BYTES = 6 << 20
+# The large classes' chunks (each a statistics, finalize and tile launch, independent of the
+# others) alternate between the current stream and a second one, so one chunk's launches
+# start while the previous chunk's last programs drain (CUDA only).
+CHAIN_STREAMS = 2
 # A class whose tile launch has at most this many programs, and whose statistics scratch (if
 # factored) fits SIDE_SCRATCH_BYTES, runs on a high-priority side stream beside the larger
 # classes (CUDA only, and only where a larger class exists). Such a launch is bound by its
@@ -349,6 +354,12 @@ class StepGroups:
             # From torch's per-device pool of high-priority streams (no stream is created): a
             # small launch then starts as soon as a large one's programs leave room for it.
             self._stream = torch.cuda.Stream(self.device, priority=-1)
+        # The large classes' chunks in launch order, and the stream every second one takes.
+        self._chain = [(cls, chunk) for cls in self._classes if not cls.side
+                       for chunk in cls.chunks]
+        self._chain_stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda" and CHAIN_STREAMS > 1 and len(self._chain) > 1:
+            self._chain_stream = torch.cuda.Stream(self.device)
         # Per class, the address its gradients' offsets are measured from: a 16-byte tensor
         # of the gradients' dtype owned by the groups, not a gradient, so the launches depend
         # on no gradient's address but through the staged offsets (a captured graph stays
@@ -521,15 +532,26 @@ class StepGroups:
                         self._launch_class(cls, grads, buffer, alone)
         for i in self._singles:
             self._plans[i].launch(grads[i], **alone(i))
-        for cls in self._classes:
-            if not cls.side:
-                self._launch_class(cls, grads, buffer, alone)
+        chain = self._chain_stream
+        if chain is not None:
+            main = torch.cuda.current_stream(self.device)
+            chain.wait_stream(main)
+        for j, (cls, chunk) in enumerate(self._chain):
+            if chain is not None and j % 2:
+                with torch.cuda.stream(chain):
+                    self._launch_class(cls, grads, buffer, alone, [chunk])
+            else:
+                self._launch_class(cls, grads, buffer, alone, [chunk])
+        if chain is not None:
+            main.wait_stream(chain)
         if stream is not None:
             current.wait_stream(stream)  # type: ignore[union-attr]
 
     def _launch_class(self, cls: _Launches, grads: Sequence[Tensor], buffer: Tensor,
-                      alone: Callable[[int], dict[str, Any]]) -> None:
-        """One class's launches, chunk by chunk, on the current stream."""
+                      alone: Callable[[int], dict[str, Any]],
+                      chunks: list[dict[str, Any]] | None = None) -> None:
+        """The launches of ``chunks`` (default: all) of one class, in order, on the current
+        stream."""
         n = len(self._plans)
         hyper = buffer[:2 * n].view(torch.float32).view(n, 4)
         gptr, seed_table = buffer[2 * n:3 * n], buffer[3 * n:]
@@ -542,9 +564,10 @@ class StepGroups:
         sp = cls.specs
         p_base, q_base, f_base = cls.bases()
         g_base = cls.g_anchor
-        for chunk in cls.chunks:
+        for chunk in cls.chunks if chunks is None else chunks:
             # The previous chunk's scratch goes back to the allocator before this one's
-            # is taken (stream order makes the reuse safe): the peak is one chunk's.
+            # is taken (stream order makes the reuse safe): the peak is one chunk's per
+            # stream.
             scratch = tickets = None
             if cls.factored:
                 scratch = torch.empty(chunk["scratch"] + chunk["tensors"],

@@ -504,18 +504,18 @@ def test_side_stream_is_ordered_with_the_current_stream_gpu(monkeypatch) -> None
     assert groups._stream is not None and groups._chain_stream is not None
     assert [c.side for c in groups._classes] == [not c.factored for c in groups._classes]
     assert len(groups._chain) == 2
-    launch_class = StepGroups._launch_class
+    launch_chunks = StepGroups._launch_chunks
     current = torch.cuda.current_stream()
-    delays = Counter()
+    delays: Counter = Counter()
 
-    def delayed(self: StepGroups, cls: Any, *args: Any) -> None:
+    def delayed(self: StepGroups, pairs: Any, *args: Any) -> None:
         stream = torch.cuda.current_stream()
         if stream != current:
             torch.cuda._sleep(20_000_000)  # on the side or chain stream: about 10 ms
-            delays["side" if stream == self._stream else "chain"] += 1
-        launch_class(self, cls, *args)
+            delays["side" if stream == self._stream else "chain"] += len(pairs)
+        launch_chunks(self, pairs, *args)
 
-    monkeypatch.setattr(StepGroups, "_launch_class", delayed)
+    monkeypatch.setattr(StepGroups, "_launch_chunks", delayed)
     torch.cuda.synchronize()
     torch.cuda._sleep(20_000_000)  # the gradients arrive late on the current stream
     for g, true in zip(grads, true_grads):

@@ -354,7 +354,9 @@ class StepGroups:
             # From torch's per-device pool of high-priority streams (no stream is created): a
             # small launch then starts as soon as a large one's programs leave room for it.
             self._stream = torch.cuda.Stream(self.device, priority=-1)
-        # The large classes' chunks in launch order, and the stream every second one takes.
+        # (class, chunk) launch lists: the side stream's, and the large classes' chunks in
+        # order, every second one on the chain stream where there is one.
+        self._side = [(cls, chunk) for cls in self._classes if cls.side for chunk in cls.chunks]
         self._chain = [(cls, chunk) for cls in self._classes if not cls.side
                        for chunk in cls.chunks]
         self._chain_stream: torch.cuda.Stream | None = None
@@ -507,7 +509,7 @@ class StepGroups:
         replayed after each new :meth:`stage` into the same buffer. Both give the same bits."""
         n = len(self._plans)
         hyper = buffer[:2 * n].view(torch.float32).view(n, 4)
-        seed_table = buffer[3 * n:]
+        gptr, seed_table = buffer[2 * n:3 * n], buffer[3 * n:]
 
         def alone(i: int) -> dict[str, Any]:
             if device_scalars:
@@ -518,53 +520,43 @@ class StepGroups:
             return dict(lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay,
                         seed=0 if seeds is None else seeds[i])
 
-        stream = self._stream
-        current = torch.cuda.current_stream(self.device) if stream is not None else None
-        if stream is not None:
-            # Issued first, so the small launches start beside the first large one. The side
-            # stream reads this step's buffer and gradients, and the current stream waits for
-            # it before this returns: nothing it reads is freed and reused before then. (If
-            # the pool hands out the current stream itself, the launches just run in order.)
-            stream.wait_stream(current)  # type: ignore[arg-type]
-            with torch.cuda.stream(stream):
-                for cls in self._classes:
-                    if cls.side:
-                        self._launch_class(cls, grads, buffer, alone)
+        views = (hyper, gptr, seed_table)
+        side, chain = self._stream, self._chain_stream
+        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        # The side and chain streams start after the work queued before this step (the
+        # staging of `buffer`, the gradients), and the current stream waits for both before
+        # this returns, so nothing they read is freed and reused before they are done. (If
+        # the pool hands out the current stream itself, its launches just run in order.)
+        # The side stream's launches go first, so they start beside the first large one.
+        for stream, pairs in ((side, self._side), (chain, self._chain[1::2])):
+            if stream is not None:
+                stream.wait_stream(current)  # type: ignore[arg-type]
+                with torch.cuda.stream(stream):
+                    self._launch_chunks(pairs, grads, views, alone)
         for i in self._singles:
             self._plans[i].launch(grads[i], **alone(i))
-        chain = self._chain_stream
-        if chain is not None:
-            main = torch.cuda.current_stream(self.device)
-            chain.wait_stream(main)
-        for j, (cls, chunk) in enumerate(self._chain):
-            if chain is not None and j % 2:
-                with torch.cuda.stream(chain):
-                    self._launch_class(cls, grads, buffer, alone, [chunk])
-            else:
-                self._launch_class(cls, grads, buffer, alone, [chunk])
-        if chain is not None:
-            main.wait_stream(chain)
-        if stream is not None:
-            current.wait_stream(stream)  # type: ignore[union-attr]
+        self._launch_chunks(self._chain if chain is None else self._chain[0::2], grads, views,
+                            alone)
+        for stream in (side, chain):
+            if stream is not None:
+                current.wait_stream(stream)  # type: ignore[union-attr]
 
-    def _launch_class(self, cls: _Launches, grads: Sequence[Tensor], buffer: Tensor,
-                      alone: Callable[[int], dict[str, Any]],
-                      chunks: list[dict[str, Any]] | None = None) -> None:
-        """The launches of ``chunks`` (default: all) of one class, in order, on the current
-        stream."""
-        n = len(self._plans)
-        hyper = buffer[:2 * n].view(torch.float32).view(n, 4)
-        gptr, seed_table = buffer[2 * n:3 * n], buffer[3 * n:]
+    def _launch_chunks(self, pairs: Sequence[tuple[_Launches, dict[str, Any]]],
+                       grads: Sequence[Tensor], views: tuple[Tensor, Tensor, Tensor],
+                       alone: Callable[[int], dict[str, Any]]) -> None:
+        """The launches of each ``(class, chunk)`` of ``pairs``, in order, on the current
+        stream; ``views``: the step buffer's scalars ``[n, 4]``, gradient offsets and seeds."""
+        hyper, gptr, seed_table = views
         first = self._plans[0]
         codebook = first.tensors()[6]
         b1, omb1, b2, omb2, eps = first._floats
         scratch: Tensor | None
         tickets: Tensor | None
-        c = cls.consts
-        sp = cls.specs
-        p_base, q_base, f_base = cls.bases()
-        g_base = cls.g_anchor
-        for chunk in cls.chunks if chunks is None else chunks:
+        for cls, chunk in pairs:
+            c = cls.consts
+            sp = cls.specs
+            p_base, q_base, f_base = cls.bases()
+            g_base = cls.g_anchor
             # The previous chunk's scratch goes back to the allocator before this one's
             # is taken (stream order makes the reuse safe): the peak is one chunk's per
             # stream.

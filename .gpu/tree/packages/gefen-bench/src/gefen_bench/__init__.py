@@ -1,5 +1,0 @@
-"""gefen-bench."""
-
-from ._version import __version__
-
-__all__ = ["__version__"]

@@ -1,3 +1,0 @@
-"""Single source of this distribution's version (read by hatchling and at runtime)."""
-
-__version__ = "0.6.0"

@@ -33,7 +33,9 @@ without flushing the allocator's caches (a flush would move the next step's grad
 thread-local capture mode (so a pin-memory DataLoader thread allocating meanwhile is not
 affected), at most ``_MAX_CAPTURES`` times per entry. A capture that fails warns and leaves
 that entry eager. A graph keeps its scratch (the factored statistics, at most
-``GROUP_SCRATCH_BYTES`` per launch chunk) in its private memory pool for as long as it lives.
+``GROUP_SCRATCH_BYTES`` per launch chunk, one chunk in flight per stream of the grouped
+launches, each stream's in blocks of its own) in its private memory pool for as long as it
+lives.
 
 Why it stays opt-in (H200, ``docs/results/h200-2026-11-30-graphs/``). In a
 GPT-2-small-shaped training loop with ``set_to_none=True`` (``scripts/graph_replay_rate.py``,

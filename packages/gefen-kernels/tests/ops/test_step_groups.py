@@ -413,7 +413,7 @@ def test_gpt2_shaped_list_equals_one_launch_per_plan_gpu(scratch_bytes, monkeypa
         grads = [it["grad"] for it in b]
         groups = StepGroups(plans, grads)
         # The small block-mode classes run on the side stream, the matrices' on the current.
-        assert groups._stream is not None
+        assert groups._side_stream is not None
         assert any(c.side for c in groups._classes) and not all(c.side for c in groups._classes)
         for _ in range(2):
             for plan, it, (lr, bc1, bc2, decay), seed in zip(_plans(a, cb, **options), a,
@@ -445,14 +445,15 @@ def test_small_classes_follow_the_side_limits(monkeypatch) -> None:
     monkeypatch.setattr(step_groups, "SIDE_SCRATCH_BYTES", 1 << 40)
     monkeypatch.setattr(step_groups, "SIDE_PROGRAMS", 0)
     assert not any(c.small() for c in classes)
-    # One program more than the largest block-mode class leaves every block class small.
+    # At the largest block-mode class's program count every block class is small; one fewer
+    # and that class is not.
     largest = max(sum(ch["n_tile"] for ch in c.chunks) for c in classes if not c.factored)
     monkeypatch.setattr(step_groups, "SIDE_PROGRAMS", largest)
     assert all(c.small() for c in classes if not c.factored)
     monkeypatch.setattr(step_groups, "SIDE_PROGRAMS", largest - 1)
     assert not all(c.small() for c in classes if not c.factored)
     if dev == "cpu":
-        assert groups._stream is None and groups._chain_stream is None
+        assert groups._side_stream is None and groups._forks == []
         assert not any(c.side for c in classes)
 
 
@@ -484,48 +485,102 @@ def _side_stream_case(seed: int) -> tuple[list[dict[str, Any]], list[tuple[float
 
 @pytest.mark.gpu
 def test_side_stream_is_ordered_with_the_current_stream_gpu(monkeypatch) -> None:
-    """The small classes (side stream) and every second large chunk (chain stream) run after
-    the work the current stream queued before the step, and the current stream's later work
-    waits for them. Their launches are delayed by a device sleep, the gradients are written
-    on the current stream after a sleep, and garbage overwrites them on the current stream
-    right after the step: a missing wait at either end of either stream changes results."""
+    """The side stream (small classes) and the chain stream (every second large chunk) run
+    after the work the current stream queued before the step, and the current stream's later
+    work waits for them. The kernels are compiled first (a warm-up step), so the timing below
+    is the device's, not the compiler's.
+
+    Start: the buffer is staged and synchronised, then the current stream sleeps and only
+    then writes the gradients (zeros until then), and the step is launched at once; a side or
+    chain stream that does not wait reads zeros. End: the other streams' launches are delayed
+    by a device sleep and the current stream overwrites the gradients with NaN right after
+    the step; a current stream that does not wait lets them read NaN."""
     items, scalars, seeds = _side_stream_case(seed=11)
-    a, b = _clone(items), _clone(items)
+    cb = make_codebook(5).cuda()
     options = {"maximize": False, "stochastic_round": True}
-    for plan, it, (lr, bc1, bc2, decay), seed in zip(_plans(a, cb := make_codebook(5).cuda(),
-                                                             **options), a, scalars, seeds):
+    a = _clone(items)
+    for plan, it, (lr, bc1, bc2, decay), seed in zip(_plans(a, cb, **options), a, scalars,
+                                                     seeds):
         plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
-    true_grads = [it["grad"].clone() for it in b]
-    for it in b:
-        it["grad"].zero_()
-    plans = _plans(b, cb, **options)
-    grads = [it["grad"] for it in b]
-    groups = StepGroups(plans, grads)
-    assert groups._stream is not None and groups._chain_stream is not None
-    assert [c.side for c in groups._classes] == [not c.factored for c in groups._classes]
-    assert len(groups._chain) == 2
-    launch_chunks = StepGroups._launch_chunks
+    warm = _clone(items)
+    warm_grads = [it["grad"] for it in warm]
+    StepGroups(_plans(warm, cb, **options), warm_grads).launch(warm_grads, scalars, seeds)
+    torch.cuda.synchronize()
     current = torch.cuda.current_stream()
+
+    def fresh() -> tuple[list[dict[str, Any]], list[torch.Tensor], StepGroups]:
+        b = _clone(items)
+        grads = [it["grad"] for it in b]
+        groups = StepGroups(_plans(b, cb, **options), grads)
+        assert groups._side_stream is not None and len(groups._forks) == 2
+        assert [c.side for c in groups._classes] == [not c.factored for c in groups._classes]
+        assert all(stream != current for stream, _ in groups._forks)
+        return b, grads, groups
+
+    # The start.
+    b, grads, groups = fresh()
+    true_grads = [g.clone() for g in grads]
+    for g in grads:
+        g.zero_()
+    buffer = groups.stage(grads, scalars, seeds)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(20_000_000)  # about 10 ms on the current stream
+    for g, true in zip(grads, true_grads):
+        g.copy_(true)
+    groups.launch_staged(grads, buffer, scalars, seeds)
+    torch.cuda.synchronize()
+    _compare(b, a)
+
+    # The end.
+    b, grads, groups = fresh()
+    launch_chunks = StepGroups._launch_chunks
     delays: Counter = Counter()
 
     def delayed(self: StepGroups, pairs: Any, *args: Any) -> None:
         stream = torch.cuda.current_stream()
         if stream != current:
-            torch.cuda._sleep(20_000_000)  # on the side or chain stream: about 10 ms
-            delays["side" if stream == self._stream else "chain"] += len(pairs)
+            torch.cuda._sleep(20_000_000)
+            delays["side" if stream == self._side_stream else "chain"] += len(pairs)
         launch_chunks(self, pairs, *args)
 
     monkeypatch.setattr(StepGroups, "_launch_chunks", delayed)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(20_000_000)  # the gradients arrive late on the current stream
-    for g, true in zip(grads, true_grads):
-        g.copy_(true)
     groups.launch(grads, scalars, seeds)
     for g in grads:
         g.fill_(float("nan"))
     torch.cuda.synchronize()
     _compare(b, a)
     assert delays == {"side": 4, "chain": 1}
+
+
+@pytest.mark.gpu
+def test_side_stream_is_joined_when_a_launch_raises_gpu(monkeypatch) -> None:
+    """A launch that raises after the other streams were forked still leaves the current
+    stream waiting for them (the step's buffer and gradients stay in use until they finish):
+    the streams' work is done once the current stream's is."""
+    items, scalars, seeds = _side_stream_case(seed=17)
+    cb = make_codebook(5).cuda()
+    b = _clone(items)
+    grads = [it["grad"] for it in b]
+    groups = StepGroups(_plans(b, cb, maximize=False, stochastic_round=False), grads)
+    groups.launch(grads, scalars, None)  # compiled
+    torch.cuda.synchronize()
+    launch_chunks = StepGroups._launch_chunks
+    current = torch.cuda.current_stream()
+
+    def failing(self: StepGroups, pairs: Any, *args: Any) -> None:
+        if torch.cuda.current_stream() != current:
+            torch.cuda._sleep(20_000_000)
+            launch_chunks(self, pairs, *args)
+        else:
+            raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(StepGroups, "_launch_chunks", failing)
+    with pytest.raises(RuntimeError, match="planted"):
+        groups.launch(grads, scalars, None)
+    done = torch.cuda.Event()
+    done.record(current)
+    done.synchronize()
+    assert all(stream.query() for stream, _ in groups._forks)
 
 
 @pytest.mark.gpu
@@ -539,8 +594,8 @@ def test_side_stream_launches_replay_from_a_cuda_graph_gpu() -> None:
     plans_a, plans_b = _plans(a, cb, **options), _plans(b, cb, **options)
     grads_a, grads_b = [it["grad"] for it in a], [it["grad"] for it in b]
     groups_a, groups_b = StepGroups(plans_a, grads_a), StepGroups(plans_b, grads_b)
-    assert groups_b._stream is not None and any(c.side for c in groups_b._classes)
-    assert groups_b._chain_stream is not None
+    assert groups_b._side_stream is not None and any(c.side for c in groups_b._classes)
+    assert len(groups_b._forks) == 2
     buffer = torch.empty(4 * len(items), dtype=torch.int64, device="cuda")
     # Warm-up on a side stream (compilation and the search table), as graph capture asks.
     warm = _clone(items)

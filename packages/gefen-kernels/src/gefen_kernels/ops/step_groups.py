@@ -17,13 +17,15 @@ scratch): on an H200 the statistics of one bf16 ``[2048, 8192]`` gradient alone 
 On CUDA the launches use three streams (``docs/results/h200-2026-12-01-session18/``): the small
 classes (:data:`SIDE_PROGRAMS`) run on a high-priority side stream, and the large classes'
 chunks alternate between the current stream and a second one (:data:`CHAIN_STREAMS`), so no
-chunk waits for an unrelated chunk's last programs. Both streams come from torch's pool, start
-after the work queued on the current stream and are waited for by it before
-:meth:`StepGroups.launch_staged` returns; the launches, and so the bits, are those of one
-stream. A pooled stream may be shared with other code of the process: a thread that
-captures a CUDA graph while another thread issues work on the same pooled stream would have
-that work captured or refused, as with any pooled stream. On an H200 the captured GPT-2 step
-went from 1.14 to 1.00 ms, the captured Llama step from 7.41 to 7.29 ms.
+chunk waits for an unrelated chunk's last programs. The two streams are taken from torch's
+stream pools once per thread and device (:func:`_streams`), start after the work queued on the
+current stream, and are waited for by it before :meth:`StepGroups.launch_staged` returns, also
+when a launch raises; the launches, and so the bits, are those of one stream. Pool streams are
+handed out round-robin, so other code of the process (a data-loading stream, a communication
+library) may get the same stream and then runs in order with these launches.
+``SIDE_PROGRAMS = 0`` and ``CHAIN_STREAMS = 1``, set before the groups are built, keep every
+launch on the current stream. On an H200 the captured GPT-2 step went from 1.14 to 1.00 ms,
+the captured Llama step from 7.41 to 7.29 ms.
 
 Per step, the scalars, seeds and gradient offsets travel in one host-to-device copy from
 pinned memory (a ``capturable`` step, whose scalars and seeds are device tensors, assembles the
@@ -45,6 +47,7 @@ with the same scalars and seeds.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,13 +74,17 @@ from .step_plan import StepPlan
 
 __all__ = ["GROUP_SCRATCH_BYTES", "StepGroups", "tile_meta_row"]
 
-# Statistics scratch of one factored launch chunk. A step's peak extra memory is two of these
-# (CHAIN_STREAMS) and a side stream's chunk, not the sum over the model (a Llama-3.2-1B
-# step's partials total about 130 MiB).
+# Statistics scratch of one factored launch chunk. A step's peak extra memory on the device is
+# one of these per chain stream (CHAIN_STREAMS) and a side stream's chunk, not the sum over the
+# model (a Llama-3.2-1B step's partials total about 130 MiB). Each stream's scratch lives in
+# that stream's cached allocator blocks. torch.cuda.max_memory_allocated sees only one chunk
+# at a time: a chunk's scratch is released on the host, stream-ordered, before the next
+# chunk's launches are issued, while another stream's chunk may still run on the device.
 GROUP_SCRATCH_BYTES = 6 << 20
 # The large classes' chunks (each a statistics, finalize and tile launch, independent of the
-# others) alternate between the current stream and a second one, so one chunk's launches
-# start while the previous chunk's last programs drain (CUDA only).
+# others) are dealt round-robin over this many streams, the current one and CHAIN_STREAMS - 1
+# others, so one chunk's launches start while another chunk's last programs drain (CUDA only).
+# 1 keeps them all on the current stream.
 CHAIN_STREAMS = 2
 # A class whose tile launch has at most this many programs, and whose statistics scratch (if
 # factored) fits SIDE_SCRATCH_BYTES, runs on a high-priority side stream beside the larger
@@ -86,6 +93,7 @@ CHAIN_STREAMS = 2
 # launches of 5-9 µs each (about 80 µs of a 1.13 ms step) one after another
 # (docs/results/h200-2026-12-01-session17/call8_profile_gpt2.txt). About one wave of the tile
 # kernel (132 SMs, six 4-warp programs each at its 37.5 % occupancy).
+# 0 keeps every class off the side stream.
 SIDE_PROGRAMS = 1024
 SIDE_SCRATCH_BYTES = 1 << 20
 # Device copies of gradient offsets kept per StepGroups for capturable steps
@@ -308,6 +316,28 @@ class _Launches:
         }
 
 
+_STREAMS = threading.local()
+
+
+def _streams(device: torch.device, chains: int) -> list[torch.cuda.Stream]:
+    """This thread's side stream (high priority) and ``chains`` chain streams on ``device``,
+    taken from torch's stream pools once per thread and device and shared by every
+    :class:`StepGroups` of the thread: a new ``StepGroups`` (a rebuilt step) reuses the
+    streams, and the scratch blocks cached on them, instead of taking further pool streams.
+    Per thread, because a thread capturing a CUDA graph in thread-local mode must not see
+    another thread's launches on a stream it has forked into its capture."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cache = getattr(_STREAMS, "by_device", None)
+    if cache is None:
+        cache = _STREAMS.by_device = {}
+    streams = cache.setdefault(index, [])
+    if not streams:
+        streams.append(torch.cuda.Stream(index, priority=-1))
+    while len(streams) < 1 + chains:
+        streams.append(torch.cuda.Stream(index))
+    return streams[:1 + chains]
+
+
 def _f32_bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", f32(x)))[0]
 
@@ -357,22 +387,24 @@ class StepGroups:
                          for key, members in classes.items()]
         # The classes launched on the side stream (SIDE_PROGRAMS): small ones, where a
         # larger class or lone plan runs beside them.
+        cuda = self.device.type == "cuda"
         small = [cls.small() for cls in self._classes]
-        self._stream: torch.cuda.Stream | None = None
-        if self.device.type == "cuda" and any(small) and (self._singles or not all(small)):
+        beside = (any(plans[i].numel > 0 for i in self._singles) or not all(small))
+        if cuda and any(small) and beside:
             for cls, is_small in zip(self._classes, small):
                 cls.side = is_small
-            # From torch's per-device pool of high-priority streams (no stream is created): a
-            # small launch then starts as soon as a large one's programs leave room for it.
-            self._stream = torch.cuda.Stream(self.device, priority=-1)
-        # (class, chunk) launch lists: the side stream's, and the large classes' chunks in
-        # order, every second one on the chain stream where there is one.
-        self._side = [(cls, chunk) for cls in self._classes if cls.side for chunk in cls.chunks]
-        self._chain = [(cls, chunk) for cls in self._classes if not cls.side
-                       for chunk in cls.chunks]
-        self._chain_stream: torch.cuda.Stream | None = None
-        if self.device.type == "cuda" and CHAIN_STREAMS > 1 and len(self._chain) > 1:
-            self._chain_stream = torch.cuda.Stream(self.device)
+        # (class, chunk) launch lists: the side stream's, then the large classes' chunks,
+        # dealt round-robin over the current stream and the chain streams.
+        side = [(cls, chunk) for cls in self._classes if cls.side for chunk in cls.chunks]
+        chain = [(cls, chunk) for cls in self._classes if not cls.side for chunk in cls.chunks]
+        ways = min(CHAIN_STREAMS, len(chain)) if cuda else 1
+        streams = _streams(self.device, ways - 1) if cuda and (side or ways > 1) else []
+        self._side_stream = streams[0] if side else None
+        # (stream, pairs) for every stream other than the current one; the current stream's.
+        self._forks = [(stream, chain[k + 1::ways]) for k, stream in enumerate(streams[1:])]
+        if side:
+            self._forks.insert(0, (streams[0], side))
+        self._current = chain[0::ways] if ways > 1 else chain
         # Per class, the address its gradients' offsets are measured from: a 16-byte tensor
         # of the gradients' dtype owned by the groups, not a gradient, so the launches depend
         # on no gradient's address but through the staged offsets (a captured graph stays
@@ -532,24 +564,25 @@ class StepGroups:
                         seed=0 if seeds is None else seeds[i])
 
         views = (hyper, gptr, seed_table)
-        side, chain = self._stream, self._chain_stream
-        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        # The side and chain streams start after the work queued before this step (the
-        # staging of `buffer`, the gradients), and the current stream waits for both before
-        # this returns, so nothing they read is freed and reused before they are done. (If
-        # the pool hands out the current stream itself, its launches just run in order.)
-        # The side stream's launches go first, so they start beside the first large one.
-        for stream, pairs in ((side, self._side), (chain, self._chain[1::2])):
-            if stream is not None:
+        current = torch.cuda.current_stream(self.device) if self._forks else None
+        forked: list[torch.cuda.Stream] = []
+        try:
+            # The other streams start after the work queued before this step (the staging of
+            # `buffer`, the gradients), and the current stream waits for every one of them
+            # before this returns, also when a launch raises, so nothing they read is freed
+            # and reused before they are done. (Where a pooled stream is the current stream
+            # itself, its launches just run in order.) The side stream's launches go first,
+            # so they start beside the first large one.
+            for stream, pairs in self._forks:
                 stream.wait_stream(current)  # type: ignore[arg-type]
+                forked.append(stream)
                 with torch.cuda.stream(stream):
                     self._launch_chunks(pairs, grads, views, alone)
-        for i in self._singles:
-            self._plans[i].launch(grads[i], **alone(i))
-        self._launch_chunks(self._chain if chain is None else self._chain[0::2], grads, views,
-                            alone)
-        for stream in (side, chain):
-            if stream is not None:
+            for i in self._singles:
+                self._plans[i].launch(grads[i], **alone(i))
+            self._launch_chunks(self._current, grads, views, alone)
+        finally:
+            for stream in forked:
                 current.wait_stream(stream)  # type: ignore[union-attr]
 
     def _launch_chunks(self, pairs: Sequence[tuple[_Launches, dict[str, Any]]],

@@ -620,3 +620,53 @@ def test_side_stream_launches_replay_from_a_cuda_graph_gpu() -> None:
         graph.replay()
     torch.cuda.synchronize()
     _compare(b, a)
+
+
+def test_deal_puts_every_chunk_on_one_stream(monkeypatch) -> None:
+    """``_deal`` with stand-in streams: small classes on the side stream where something runs
+    beside them, every other chunk dealt round-robin over CHAIN_STREAMS streams in order,
+    each chunk exactly once; off CUDA (no streams) everything on the current stream."""
+    dev = _device()
+    cb = make_codebook(2).to(dev)
+    items = _tensors(dev, seed=7)
+    plans = _plans(items, cb, maximize=False, stochastic_round=False)
+    grads = [it["grad"] for it in items]
+    monkeypatch.setattr(step_groups, "GROUP_SCRATCH_BYTES", 0)  # several chunks per class
+    classes = StepGroups(plans, grads)._classes
+    every = [(cls, chunk) for cls in classes for chunk in cls.chunks]
+    # The classes with the fewest tile programs are the small ones.
+    monkeypatch.setattr(step_groups, "SIDE_PROGRAMS", min(
+        sum(ch["n_tile"] for ch in c.chunks) for c in classes if not c.stats_only))
+
+    def fake(chains: int) -> list[str]:
+        return ["side"] + [f"chain{k}" for k in range(1, chains + 1)]
+
+    def ids(pairs: list[Any]) -> list[int]:
+        return [id(chunk) for _, chunk in pairs]
+
+    for ways in (1, 2, 3):
+        monkeypatch.setattr(step_groups, "CHAIN_STREAMS", ways)
+        side, forks, current = step_groups._deal(classes, False, fake)
+        small = [(c, ch) for c, ch in every if c.small()]
+        large = [(c, ch) for c, ch in every if not c.small()]
+        assert small and len(large) >= 3 and side == "side"
+        assert forks[0] == ("side", small) and all(c.side for c, _ in small)
+        assert [name for name, _ in forks[1:]] == [f"chain{k}" for k in range(1, ways)]
+        for k, (_, pairs) in enumerate(forks[1:], start=1):
+            assert ids(pairs) == ids(large[k::ways])
+        assert ids(current) == ids(large[0::ways])
+        assert sorted(ids(current) + [i for _, p in forks for i in ids(p)]) == sorted(ids(every))
+    # Only small classes, beside a non-empty lone plan: all on the side stream, the current
+    # stream gets none; without the lone plan, nothing moves.
+    only_small = [c for c in classes if not c.stats_only]
+    monkeypatch.setattr(step_groups, "SIDE_PROGRAMS", 10**9)
+    monkeypatch.setattr(step_groups, "SIDE_SCRATCH_BYTES", 1 << 40)
+    side, forks, current = step_groups._deal(only_small, True, fake)
+    assert side == "side" and current == [] and len(forks) == 1
+    assert ids(forks[0][1]) == ids([(c, ch) for c in only_small for ch in c.chunks])
+    side, forks, current = step_groups._deal(only_small, False, fake)
+    assert side is None and not any(c.side for c in only_small)
+    # Off CUDA.
+    side, forks, current = step_groups._deal(classes, True, None)
+    assert side is None and forks == [] and ids(current) == ids(every)
+    assert not any(c.side for c in classes)

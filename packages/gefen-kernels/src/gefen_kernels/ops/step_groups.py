@@ -338,6 +338,33 @@ def _streams(device: torch.device, chains: int) -> list[torch.cuda.Stream]:
     return streams[:1 + chains]
 
 
+Pairs = list[tuple[_Launches, dict[str, Any]]]
+
+
+def _deal(classes: list[_Launches], singles: bool,
+          streams: Callable[[int], list[Any]] | None) -> tuple[Any, list[tuple[Any, Pairs]], Pairs]:
+    """Which stream each ``(class, chunk)`` launches on: ``(side stream or None, [(stream,
+    pairs)] for every stream other than the current one, the current stream's pairs)``.
+
+    The small classes (:meth:`_Launches.small`) go to the side stream where something runs
+    beside them (a larger class, or a non-empty lone plan: ``singles``); every other chunk, in
+    order, is dealt round-robin over the current stream and ``CHAIN_STREAMS - 1`` others.
+    ``streams(n)``: the side stream and ``n`` chain streams (:func:`_streams`); ``None`` off
+    CUDA, where everything stays on the current stream. Sets each class's ``side``."""
+    small = [cls.small() for cls in classes]
+    use_side = streams is not None and any(small) and (singles or not all(small))
+    for cls, is_small in zip(classes, small):
+        cls.side = use_side and is_small
+    side = [(cls, chunk) for cls in classes if cls.side for chunk in cls.chunks]
+    chain = [(cls, chunk) for cls in classes if not cls.side for chunk in cls.chunks]
+    ways = max(1, min(CHAIN_STREAMS, len(chain))) if streams is not None else 1
+    got = streams(ways - 1) if streams is not None and (side or ways > 1) else []
+    forks = [(stream, chain[k + 1::ways]) for k, stream in enumerate(got[1:])]
+    if side:
+        forks.insert(0, (got[0], side))
+    return (got[0] if side else None), forks, chain[0::ways]
+
+
 def _f32_bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", f32(x)))[0]
 
@@ -385,26 +412,10 @@ class StepGroups:
             classes.setdefault(key, []).append(i)
         self._classes = [_Launches(key, members, plans, self.device)
                          for key, members in classes.items()]
-        # The classes launched on the side stream (SIDE_PROGRAMS): small ones, where a
-        # larger class or lone plan runs beside them.
-        cuda = self.device.type == "cuda"
-        small = [cls.small() for cls in self._classes]
-        beside = (any(plans[i].numel > 0 for i in self._singles) or not all(small))
-        if cuda and any(small) and beside:
-            for cls, is_small in zip(self._classes, small):
-                cls.side = is_small
-        # (class, chunk) launch lists: the side stream's, then the large classes' chunks,
-        # dealt round-robin over the current stream and the chain streams.
-        side = [(cls, chunk) for cls in self._classes if cls.side for chunk in cls.chunks]
-        chain = [(cls, chunk) for cls in self._classes if not cls.side for chunk in cls.chunks]
-        ways = min(CHAIN_STREAMS, len(chain)) if cuda else 1
-        streams = _streams(self.device, ways - 1) if cuda and (side or ways > 1) else []
-        self._side_stream = streams[0] if side else None
-        # (stream, pairs) for every stream other than the current one; the current stream's.
-        self._forks = [(stream, chain[k + 1::ways]) for k, stream in enumerate(streams[1:])]
-        if side:
-            self._forks.insert(0, (streams[0], side))
-        self._current = chain[0::ways] if ways > 1 else chain
+        device = self.device
+        self._side_stream, self._forks, self._current = _deal(
+            self._classes, any(plans[i].numel > 0 for i in self._singles),
+            (lambda chains: _streams(device, chains)) if device.type == "cuda" else None)
         # Per class, the address its gradients' offsets are measured from: a 16-byte tensor
         # of the gradients' dtype owned by the groups, not a gradient, so the launches depend
         # on no gradient's address but through the staged offsets (a captured graph stays

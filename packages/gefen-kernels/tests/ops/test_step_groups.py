@@ -484,7 +484,8 @@ def _side_stream_case(seed: int) -> tuple[list[dict[str, Any]], list[tuple[float
 
 
 @pytest.mark.gpu
-def test_side_stream_is_ordered_with_the_current_stream_gpu(monkeypatch) -> None:
+@pytest.mark.parametrize("slow", [0, 1])
+def test_side_stream_is_ordered_with_the_current_stream_gpu(slow, monkeypatch) -> None:
     """The side stream (small classes) and the chain stream (every second large chunk) run
     after the work the current stream queued before the step, and the current stream's later
     work waits for them. The kernels are compiled first (a warm-up step), so the timing below
@@ -492,9 +493,10 @@ def test_side_stream_is_ordered_with_the_current_stream_gpu(monkeypatch) -> None
 
     Start: the buffer is staged and synchronised, then the current stream sleeps and only
     then writes the gradients (zeros until then), and the step is launched at once; a side or
-    chain stream that does not wait reads zeros. End: the other streams' launches are delayed
-    by a device sleep and the current stream overwrites the gradients with NaN right after
-    the step; a current stream that does not wait lets them read NaN."""
+    chain stream that does not wait reads zeros. End: one other stream's launches (the side
+    stream's for ``slow`` 0, the chain stream's for 1) are delayed by a device sleep, so that
+    stream finishes last, and the current stream overwrites the gradients with NaN right after
+    the step; a current stream that does not wait for that stream lets it read NaN."""
     items, scalars, seeds = _side_stream_case(seed=11)
     cb = make_codebook(5).cuda()
     options = {"maximize": False, "stochastic_round": True}
@@ -539,7 +541,8 @@ def test_side_stream_is_ordered_with_the_current_stream_gpu(monkeypatch) -> None
     def delayed(self: StepGroups, pairs: Any, *args: Any) -> None:
         stream = torch.cuda.current_stream()
         if stream != current:
-            torch.cuda._sleep(20_000_000)
+            if stream == self._forks[slow][0]:
+                torch.cuda._sleep(20_000_000)
             delays["side" if stream == self._side_stream else "chain"] += len(pairs)
         launch_chunks(self, pairs, *args)
 
@@ -553,10 +556,12 @@ def test_side_stream_is_ordered_with_the_current_stream_gpu(monkeypatch) -> None
 
 
 @pytest.mark.gpu
-def test_side_stream_is_joined_when_a_launch_raises_gpu(monkeypatch) -> None:
+@pytest.mark.parametrize("slow", [0, 1])
+def test_side_stream_is_joined_when_a_launch_raises_gpu(slow, monkeypatch) -> None:
     """A launch that raises after the other streams were forked still leaves the current
     stream waiting for them (the step's buffer and gradients stay in use until they finish):
-    the streams' work is done once the current stream's is."""
+    the streams' work is done once the current stream's is. One stream sleeps (the side
+    stream for ``slow`` 0, the chain stream for 1), so each stream's join is checked alone."""
     items, scalars, seeds = _side_stream_case(seed=17)
     cb = make_codebook(5).cuda()
     b = _clone(items)
@@ -568,8 +573,10 @@ def test_side_stream_is_joined_when_a_launch_raises_gpu(monkeypatch) -> None:
     current = torch.cuda.current_stream()
 
     def failing(self: StepGroups, pairs: Any, *args: Any) -> None:
-        if torch.cuda.current_stream() != current:
-            torch.cuda._sleep(20_000_000)
+        stream = torch.cuda.current_stream()
+        if stream != current:
+            if stream == self._forks[slow][0]:
+                torch.cuda._sleep(20_000_000)
             launch_chunks(self, pairs, *args)
         else:
             raise RuntimeError("planted failure")
@@ -657,7 +664,8 @@ def test_deal_puts_every_chunk_on_one_stream(monkeypatch) -> None:
         assert ids(current) == ids(large[0::ways])
         assert sorted(ids(current) + [i for _, p in forks for i in ids(p)]) == sorted(ids(every))
     # Only small classes, beside a non-empty lone plan: all on the side stream, the current
-    # stream gets none; without the lone plan, nothing moves.
+    # stream gets none; without the lone plan, no class is on the side stream (the chunks
+    # are dealt over the chain streams like any others).
     only_small = [c for c in classes if not c.stats_only]
     monkeypatch.setattr(step_groups, "SIDE_PROGRAMS", 10**9)
     monkeypatch.setattr(step_groups, "SIDE_SCRATCH_BYTES", 1 << 40)
@@ -666,6 +674,10 @@ def test_deal_puts_every_chunk_on_one_stream(monkeypatch) -> None:
     assert ids(forks[0][1]) == ids([(c, ch) for c in only_small for ch in c.chunks])
     side, forks, current = step_groups._deal(only_small, False, fake)
     assert side is None and not any(c.side for c in only_small)
+    dealt = [(c, ch) for c in only_small for ch in c.chunks]  # CHAIN_STREAMS is 3 here
+    assert ids(current) == ids(dealt[0::3])
+    assert [(name, ids(p)) for name, p in forks] == [("chain1", ids(dealt[1::3])),
+                                                    ("chain2", ids(dealt[2::3]))]
     # Off CUDA.
     side, forks, current = step_groups._deal(classes, True, None)
     assert side is None and forks == [] and ids(current) == ids(every)

@@ -14,15 +14,20 @@ scratch): on an H200 the statistics of one bf16 ``[2048, 8192]`` gradient alone 
 0.4 TB/s, those of 16 such gradients in one launch at about 1.4 TB/s
 (``docs/results/h200-2026-11-30-strips/``). Block-mode plans of those routes launch one by one.
 
-On CUDA the launches use three streams (``docs/results/h200-2026-12-01-session18/``): the small
-classes (:data:`SIDE_PROGRAMS`) run on a high-priority side stream, and the large classes'
-chunks alternate between the current stream and a second one (:data:`CHAIN_STREAMS`), so no
-chunk waits for an unrelated chunk's last programs. The two streams are taken from torch's
-stream pools once per thread and device (:func:`_streams`), start after the work queued on the
-current stream, and are waited for by it before :meth:`StepGroups.launch_staged` returns, also
-when a launch raises; the launches, and so the bits, are those of one stream. Pool streams are
-handed out round-robin, so other code of the process (a data-loading stream, a communication
-library) may get the same stream and then runs in order with these launches.
+On CUDA the launches use more than one stream (``docs/results/h200-2026-12-01-session18/``):
+the small classes (:data:`SIDE_PROGRAMS`) run on a high-priority side stream, and the large
+classes' chunks are dealt round-robin over the current stream and ``CHAIN_STREAMS - 1`` others
+(three streams in all with the default ``CHAIN_STREAMS = 2``), so no chunk waits for an
+unrelated chunk's last programs. The other streams are taken from torch's stream pools once
+per thread and device (:func:`_streams`), start after the work queued on the current stream,
+and are waited for by it before :meth:`StepGroups.launch_staged` returns, also when a launch
+raises; the launches, and so the bits, are those of one stream. Pool streams are handed out
+round-robin (32 per priority and device), so other code of the process (a data-loading
+stream, a communication library, another thread's capture) may get the same stream: eager
+work on it then just runs in order with these launches, but a CUDA graph captured on one
+thread while another thread launches on that shared stream can take those launches into the
+capture or fail it. Capture with the streams to yourself, or set ``SIDE_PROGRAMS = 0`` and
+``CHAIN_STREAMS = 1``.
 ``SIDE_PROGRAMS = 0`` and ``CHAIN_STREAMS = 1``, set before the groups are built, keep every
 launch on the current stream. On an H200 the captured GPT-2 step went from 1.14 to 1.00 ms,
 the captured Llama step from 7.41 to 7.29 ms.
@@ -324,8 +329,11 @@ def _streams(device: torch.device, chains: int) -> list[torch.cuda.Stream]:
     taken from torch's stream pools once per thread and device and shared by every
     :class:`StepGroups` of the thread: a new ``StepGroups`` (a rebuilt step) reuses the
     streams, and the scratch blocks cached on them, instead of taking further pool streams.
-    Per thread, because a thread capturing a CUDA graph in thread-local mode must not see
-    another thread's launches on a stream it has forked into its capture."""
+    Per thread, so that a thread capturing a CUDA graph is unlikely to have another thread's
+    launches on a stream it forked into its capture; unlikely, not impossible: the pools wrap
+    around after 32 streams per priority, and other code (``torch.cuda.Stream()`` users, a
+    capture's own streams) draws from the same pools. The high-priority stream is taken even
+    where no class runs on it (one pool stream, no launches)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     cache = getattr(_STREAMS, "by_device", None)
     if cache is None:

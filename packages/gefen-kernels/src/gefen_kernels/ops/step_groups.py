@@ -26,11 +26,9 @@ round-robin (32 per priority and device), so other code of the process (a data-l
 stream, a communication library, another thread's capture) may get the same stream: eager
 work on it then just runs in order with these launches, but a CUDA graph captured on one
 thread while another thread launches on that shared stream can take those launches into the
-capture or fail it. Capture with the streams to yourself, or set ``SIDE_PROGRAMS = 0`` and
-``CHAIN_STREAMS = 1``.
-``SIDE_PROGRAMS = 0`` and ``CHAIN_STREAMS = 1``, set before the groups are built, keep every
-launch on the current stream. On an H200 the captured GPT-2 step went from 1.14 to 1.00 ms,
-the captured Llama step from 7.41 to 7.29 ms.
+capture or fail it. ``SIDE_PROGRAMS = 0`` and ``CHAIN_STREAMS = 1``, set before the groups are
+built, keep every launch on the current stream. On an H200 the captured GPT-2 step went from
+1.14 to 1.00 ms, the captured Llama step from 7.41 to 7.29 ms.
 
 Per step, the scalars, seeds and gradient offsets travel in one host-to-device copy from
 pinned memory (a ``capturable`` step, whose scalars and seeds are device tensors, assembles the

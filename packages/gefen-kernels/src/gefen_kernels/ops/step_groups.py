@@ -81,11 +81,12 @@ __all__ = ["GROUP_SCRATCH_BYTES", "StepGroups", "tile_meta_row"]
 # one chunk per chain stream (CHAIN_STREAMS) and a side stream's chunk, not the sum over the
 # model (a Llama-3.2-1B step's partials total about 130 MiB). A chunk holds at least one
 # tensor, so a tensor whose scratch alone exceeds this is a chunk of its own: up to about
-# 4 (max(R, 2**20) + max(C, 2**20)) bytes for an [R, C] gradient (factored_step.stats_layout),
-# 7.8 MiB for a [128256, 4096] embedding. Each stream's scratch lives in
-# that stream's cached allocator blocks. torch.cuda.max_memory_allocated sees only one chunk
-# at a time: a chunk's scratch is released on the host, stream-ordered, before the next
-# chunk's launches are issued, while another stream's chunk may still run on the device.
+# 4 * (max(R, 2**20) + max(C, 2**20)) bytes for an [R, C] gradient (factored_step.stats_layout;
+# 8 MiB while R, C <= 2**20), e.g. 7.8 MiB for a Llama-3-8B-shaped [128256, 4096] embedding.
+# Each stream's scratch lives in that stream's cached allocator blocks.
+# torch.cuda.max_memory_allocated sees only one chunk at a time: a chunk's scratch is released
+# on the host, stream-ordered, before the next chunk's launches are issued, while another
+# stream's chunk may still run on the device.
 GROUP_SCRATCH_BYTES = 6 << 20
 # The large classes' chunks (each a statistics, finalize and tile launch, independent of the
 # others) are dealt round-robin over this many streams, the current one and CHAIN_STREAMS - 1

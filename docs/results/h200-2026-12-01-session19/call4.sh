@@ -1,7 +1,8 @@
 #!/bin/bash
 # Session 19, call 4: scripts/stream_mutations.py after review, which checks each test's
 # outcome (JUnit XML) instead of pytest's exit status, with seven planted faults (the start
-# wait also removed for the side and the chain stream alone).
+# wait also removed for the side and the chain stream alone). .gpu/tree/COMMIT holds the
+# archived commit's short hash, written beside the archive.
 set -x
 cd .gpu/tree
 export PYTHONPATH=$(ls -d $PWD/packages/*/src | tr '\n' ':')$PWD/scripts

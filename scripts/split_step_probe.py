@@ -59,10 +59,16 @@ from gefen_kernels.ops.factored_step import factored_stats_triton
 
 
 @triton.jit
-def _quantise_store(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Production's ``_apply`` up to the code store."""
+def _quantise_store(  # type: ignore[no-untyped-def]
+    q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, STEPS: tl.constexpr, FAST: tl.constexpr = 0
+):
+    """Production's ``_apply`` up to the code store. ``FAST`` (an ablation, other codes):
+    ``m / s'`` by the approximate division instead of ``div_rn``."""
     positive = s_new > 0
-    z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)
+    if FAST:
+        z = tl.where(positive, tl.fdiv(m, tl.where(positive, s_new, 1.0)), 0.0)
+    else:
+        z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)
     q, _ = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
     tl.store(q_ptr + offs, q.to(tl.uint8), mask=mask)
 
@@ -76,36 +82,81 @@ def _piece(g_ptr, q_ptr, cb_ptr, blocks, bmask, cols, s_old, period, b1, omb1): 
 
 
 @triton.jit
-def _quant_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, table_ptr, num_blocks, period, b1, omb1,  # type: ignore[no-untyped-def]
-                  BPP: tl.constexpr, P2: tl.constexpr, TAIL: tl.constexpr, STEPS: tl.constexpr):
-    """Blocks ``[pid BPP, (pid + 1) BPP)``: new codes and scales, no parameter write."""
+def _quant_kernel(  # type: ignore[no-untyped-def]
+    g_ptr,
+    q_ptr,
+    s_ptr,
+    cb_ptr,
+    table_ptr,
+    num_blocks,
+    period,
+    b1,
+    omb1,
+    BPP: tl.constexpr,
+    P2: tl.constexpr,
+    TAIL: tl.constexpr,
+    STEPS: tl.constexpr,
+    FAST: tl.constexpr = 0,
+):
+    """Blocks ``[pid BPP, (pid + 1) BPP)``: new codes and scales, no parameter write.
+    ``FAST``: see :func:`_quantise_store`."""
     blocks = tl.program_id(0) * BPP + tl.arange(0, BPP)
     bmask = blocks < num_blocks
     s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
     if TAIL == 0:
-        offs, mask, _, m = _piece(g_ptr, q_ptr, cb_ptr, blocks, bmask, tl.arange(0, P2), s_old,
-                                  period, b1, omb1)
+        offs, mask, _, m = _piece(
+            g_ptr, q_ptr, cb_ptr, blocks, bmask, tl.arange(0, P2), s_old, period, b1, omb1
+        )
         s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
-        _quantise_store(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], STEPS)
+        _quantise_store(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], STEPS, FAST)
     else:
-        offs, mask, _, m = _piece(g_ptr, q_ptr, cb_ptr, blocks, bmask, tl.arange(0, P2 // 2),
-                                  s_old, period, b1, omb1)
-        offs_t, mask_t, _, m_t = _piece(g_ptr, q_ptr, cb_ptr, blocks, bmask,
-                                        tl.arange(0, TAIL) + P2 // 2, s_old, period, b1, omb1)
-        s_max = tl.maximum(tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1),
-                           tl.max(tl.where(mask_t, tl.abs(m_t), 0.0), axis=1))
-        any_nan = tl.maximum(tl.max((mask & (m != m)).to(tl.int32), axis=1),
-                             tl.max((mask_t & (m_t != m_t)).to(tl.int32), axis=1))
+        offs, mask, _, m = _piece(
+            g_ptr, q_ptr, cb_ptr, blocks, bmask, tl.arange(0, P2 // 2), s_old, period, b1, omb1
+        )
+        offs_t, mask_t, _, m_t = _piece(
+            g_ptr,
+            q_ptr,
+            cb_ptr,
+            blocks,
+            bmask,
+            tl.arange(0, TAIL) + P2 // 2,
+            s_old,
+            period,
+            b1,
+            omb1,
+        )
+        s_max = tl.maximum(
+            tl.max(tl.where(mask, tl.abs(m), 0.0), axis=1),
+            tl.max(tl.where(mask_t, tl.abs(m_t), 0.0), axis=1),
+        )
+        any_nan = tl.maximum(
+            tl.max((mask & (m != m)).to(tl.int32), axis=1),
+            tl.max((mask_t & (m_t != m_t)).to(tl.int32), axis=1),
+        )
         s_new = tl.where(any_nan > 0, float("nan"), s_max)
-        _quantise_store(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], STEPS)
-        _quantise_store(q_ptr, cb_ptr, table_ptr, offs_t, mask_t, m_t, s_new[:, None], STEPS)
+        _quantise_store(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], STEPS, FAST)
+        _quantise_store(q_ptr, cb_ptr, table_ptr, offs_t, mask_t, m_t, s_new[:, None], STEPS, FAST)
     tl.store(s_ptr + blocks, s_new, mask=bmask)
 
 
 @triton.jit
-def _strip_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, table_ptr, rowpart_ptr, colpart_ptr, nrows,  # type: ignore[no-untyped-def]
-                  ncols, period, rows_per_program, b1, omb1, P2: tl.constexpr,
-                  STEPS: tl.constexpr):
+def _strip_kernel(  # type: ignore[no-untyped-def]
+    g_ptr,
+    q_ptr,
+    s_ptr,
+    cb_ptr,
+    table_ptr,
+    rowpart_ptr,
+    colpart_ptr,
+    nrows,
+    ncols,
+    period,
+    rows_per_program,
+    b1,
+    omb1,
+    P2: tl.constexpr,
+    STEPS: tl.constexpr,
+):
     """Blocks in rows (``period | ncols``): program ``(j, s)`` steps block column ``j`` of rows
     ``[s R, (s + 1) R)``, one block per iteration, and writes each block's ``sum g^2`` to
     ``rowpart[row, j]`` and its columns' ``sum g^2`` over the strip to ``colpart[s, cols]``."""
@@ -133,12 +184,34 @@ def _strip_kernel(g_ptr, q_ptr, s_ptr, cb_ptr, table_ptr, rowpart_ptr, colpart_p
 
 
 @triton.jit
-def _update_kernel(p_ptr, q_ptr, s_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, n, ncols,  # type: ignore[no-untyped-def]
-                   ncols_magic, ncols_shift, period, per_magic, per_shift, lr, bc2, bc1, eps,
-                   decay, NCH: tl.constexpr):
+def _update_kernel(  # type: ignore[no-untyped-def]
+    p_ptr,
+    q_ptr,
+    s_ptr,
+    row_ptr,
+    col_ptr,
+    inv_rbar_ptr,
+    cb_ptr,
+    n,
+    ncols,
+    ncols_magic,
+    ncols_shift,
+    period,
+    per_magic,
+    per_shift,
+    lr,
+    bc2,
+    bc1,
+    eps,
+    decay,
+    NCH: tl.constexpr,
+    SIGMA: tl.constexpr = 0,
+):
     """Elements ``[pid 16 NCH, (pid + 1) 16 NCH)`` as ``NCH`` chunks of 16, each inside one
     row and one block: production's ``_apply`` from ``m^ = c[q'] s'`` on, for new codes and
-    scales already written."""
+    scales already written. ``SIGMA`` (ablations, other parameters): 0 production's
+    ``sigma``; 1 the same expression with the approximate square root and division; 2 no
+    ``sigma`` (``V`` only)."""
     chunks = tl.arange(0, NCH)
     lanes = tl.arange(0, 16)
     coffs = tl.program_id(0) * (NCH * 16) + chunks * 16
@@ -154,7 +227,14 @@ def _update_kernel(p_ptr, q_ptr, s_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, 
     k = tl.load(col_ptr + (col0[:, None] + lanes[None, :]), mask=mask, other=0.0)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     code = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
-    big_v, sigma = _factored_sigma(r, k, inv_rbar_ptr, bc2, bc1, eps)
+    if SIGMA == 0:
+        big_v, sigma = _factored_sigma(r, k, inv_rbar_ptr, bc2, bc1, eps)
+    elif SIGMA == 1:
+        big_v = (r * k) * tl.load(inv_rbar_ptr)
+        sigma = tl.fdiv(1.0, tl.sqrt(big_v * bc2) + eps) * bc1
+    else:
+        big_v = (r * k) * tl.load(inv_rbar_ptr)
+        sigma = bc1
     mhat = tl_codewords(cb_ptr, code) * s_new
     mhat = tl.where(big_v == 0.0, 0.0, mhat)
     u = (mhat * sigma) * lr
@@ -166,18 +246,43 @@ def _scalars(case: Case) -> dict[str, Any]:
     b1, omb1, _, _, eps = case.plan._floats
     lr, bc2, bc1, decay = case.args()[-4:]
     num_blocks, period, ncols, magic, shift = case.plan._ints
-    return dict(b1=b1, omb1=omb1, eps=eps, lr=lr, bc2=bc2, bc1=bc1, decay=decay,
-                num_blocks=num_blocks, period=period, ncols=ncols, magic=magic, shift=shift)
+    return dict(
+        b1=b1,
+        omb1=omb1,
+        eps=eps,
+        lr=lr,
+        bc2=bc2,
+        bc1=bc1,
+        decay=decay,
+        num_blocks=num_blocks,
+        period=period,
+        ncols=ncols,
+        magic=magic,
+        shift=shift,
+    )
 
 
-def _quant(case: Case) -> None:
+def _quant(case: Case, fast: int = 0) -> None:
     sc = _scalars(case)
     p2, bpp, tail = tile_shape(sc["period"], True)
     _quant_kernel[(triton.cdiv(sc["num_blocks"], bpp),)](
-        case.g, case.codes, case.scale, case.codebook, case.plan._table, sc["num_blocks"],
-        sc["period"], sc["b1"], sc["omb1"], BPP=bpp, P2=p2, TAIL=tail,
-        STEPS=case.plan._consts["STEPS"], num_warps=case.plan._consts["num_warps"],
-        **LAUNCH_OPTIONS)
+        case.g,
+        case.codes,
+        case.scale,
+        case.codebook,
+        case.plan._table,
+        sc["num_blocks"],
+        sc["period"],
+        sc["b1"],
+        sc["omb1"],
+        BPP=bpp,
+        P2=p2,
+        TAIL=tail,
+        STEPS=case.plan._consts["STEPS"],
+        FAST=fast,
+        num_warps=case.plan._consts["num_warps"],
+        **LAUNCH_OPTIONS,
+    )
 
 
 def _strip(case: Case, scratch: dict[str, torch.Tensor], rows_per_program: int) -> None:
@@ -189,20 +294,55 @@ def _strip(case: Case, scratch: dict[str, torch.Tensor], rows_per_program: int) 
         scratch["col"] = torch.empty(strips, cols, device=case.p.device)
     p2 = triton.next_power_of_2(period)
     _strip_kernel[(cols // period, strips)](
-        case.g, case.codes, case.scale, case.codebook, case.plan._table, scratch["row"],
-        scratch["col"], rows, cols, period, rows_per_program, sc["b1"], sc["omb1"], P2=p2,
-        STEPS=case.plan._consts["STEPS"], num_warps=4 if p2 <= 2048 else 8, **LAUNCH_OPTIONS)
+        case.g,
+        case.codes,
+        case.scale,
+        case.codebook,
+        case.plan._table,
+        scratch["row"],
+        scratch["col"],
+        rows,
+        cols,
+        period,
+        rows_per_program,
+        sc["b1"],
+        sc["omb1"],
+        P2=p2,
+        STEPS=case.plan._consts["STEPS"],
+        num_warps=4 if p2 <= 2048 else 8,
+        **LAUNCH_OPTIONS,
+    )
 
 
-def _update(case: Case, nch: int, warps: int) -> None:
+def _update(case: Case, nch: int, warps: int, sigma: int = 0) -> None:
     sc = _scalars(case)
     n = case.p.numel()
     per_magic, per_shift = ncols_divider(sc["period"])
     _update_kernel[(triton.cdiv(n, 16 * nch),)](
-        case.p, case.codes, case.scale, case.row, case.col, case.inv_rbar, case.codebook, n,
-        sc["ncols"], sc["magic"], sc["shift"], sc["period"], per_magic, per_shift, sc["lr"],
-        sc["bc2"], sc["bc1"], sc["eps"], sc["decay"], NCH=nch, num_warps=warps,
-        **LAUNCH_OPTIONS)
+        case.p,
+        case.codes,
+        case.scale,
+        case.row,
+        case.col,
+        case.inv_rbar,
+        case.codebook,
+        n,
+        sc["ncols"],
+        sc["magic"],
+        sc["shift"],
+        sc["period"],
+        per_magic,
+        per_shift,
+        sc["lr"],
+        sc["bc2"],
+        sc["bc1"],
+        sc["eps"],
+        sc["decay"],
+        NCH=nch,
+        SIGMA=sigma,
+        num_warps=warps,
+        **LAUNCH_OPTIONS,
+    )
 
 
 def _split(case: Case, nch: int, warps: int) -> None:
@@ -216,16 +356,19 @@ def _strip_split(case: Case, scratch: dict[str, torch.Tensor], rows_per_program:
 
 
 def _stats(case: Case) -> None:
-    factored_stats_triton(case.g, case.row, case.col, beta2=0.999,
-                          layout=case.plan._stats_layout)
+    factored_stats_triton(case.g, case.row, case.col, beta2=0.999, layout=case.plan._stats_layout)
 
 
 # (rows, columns, period): Llama's matrices with its searched power-of-two periods, and
 # GPT-2's periods on its column counts (taller than its matrices, to fill the GPU).
-CASES = [(8192, 8192, 2048), (8192, 8192, 256), (12288, 3072, 1152), (12288, 2304, 1536),
-         (50257, 768, 1392)]
-CPU_CASES = [(8, 8192, 2048), (8, 2048, 256), (24, 3072, 1152), (24, 2304, 1536),
-             (29, 768, 1392)]
+CASES = [
+    (8192, 8192, 2048),
+    (8192, 8192, 256),
+    (12288, 3072, 1152),
+    (12288, 2304, 1536),
+    (50257, 768, 1392),
+]
+CPU_CASES = [(8, 8192, 2048), (8, 2048, 256), (24, 3072, 1152), (24, 2304, 1536), (29, 768, 1392)]
 
 
 def main() -> None:
@@ -233,8 +376,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20, help="launches timed per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--ncu", action="store_true",
-                        help="one launch of each kernel on two cases and nothing else (under ncu)")
+    parser.add_argument(
+        "--ncu",
+        action="store_true",
+        help="one launch of each kernel and ablation on two cases, nothing else (under ncu)",
+    )
     args = parser.parse_args()
     kernel_ablation.DEVICE = torch.device(args.device)
     cuda = args.device == "cuda"
@@ -243,15 +389,22 @@ def main() -> None:
             kernel_ablation.ROWS, kernel_ablation.NCOLS = rows, cols
             case = Case(period, True)
             case.launch(importlib.import_module("gefen_kernels.ops._step_kernels"))
-            _split(case, 128, 4)
+            for fast in (0, 1):
+                _quant(case, fast)
+            for sigma in (0, 1, 2):
+                _update(case, 128, 4, sigma)
         torch.cuda.synchronize()
         return
     if cuda:
-        print(f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, "
-              f"torch {torch.__version__}")
-    print(f"{args.rounds} interleaved rounds of {args.reps} launches: the median round (ms) "
-          f"and its range; % of a copy of the bytes the launch moves")
-    print(f"\n{'case':28s} {'launch':26s} {'ms':>7s} {'range':>15s} {'% copy':>7s}  check")
+        print(
+            f"device: {torch.cuda.get_device_name()}, triton {triton.__version__}, "
+            f"torch {torch.__version__}"
+        )
+    print(
+        f"{args.rounds} interleaved rounds of {args.reps} launches: the median round (ms) "
+        f"and its range; % of a copy of the bytes the launch moves"
+    )
+    print(f"\n{'case':28s} {'launch':36s} {'ms':>7s} {'range':>15s} {'% copy':>7s}  check")
     prod = importlib.import_module("gefen_kernels.ops._step_kernels")
     for rows, cols, period in CASES if cuda else CPU_CASES:
         kernel_ablation.ROWS, kernel_ablation.NCOLS = rows, cols
@@ -264,17 +417,40 @@ def main() -> None:
             "tile (production)": (functools.partial(case.launch, prod), 8.0, False),
             "quant": (functools.partial(_quant, case), 4.0, False),
         }
-        for nch, warps in ((128, 4), (256, 8), (256, 4)):
+        runs["quant, approximate m / s' (ablation)"] = (
+            functools.partial(_quant, case, 1),
+            4.0,
+            False,
+        )
+        for sigma, what in ((1, "approximate sigma"), (2, "no sigma")):
+            runs[f"update, {what} (ablation)"] = (
+                functools.partial(_update, case, 128, 4, sigma),
+                5.0,
+                False,
+            )
+        for nch, warps in ((128, 4), (256, 8)):
             runs[f"update nch={nch} w={warps}"] = (
-                functools.partial(_update, case, nch, warps), 5.0, False)
+                functools.partial(_update, case, nch, warps),
+                5.0,
+                False,
+            )
             runs[f"quant+update nch={nch} w={warps}"] = (
-                functools.partial(_split, case, nch, warps), 9.0, True)
+                functools.partial(_split, case, nch, warps),
+                9.0,
+                True,
+            )
         if in_rows:
             for rpp in (16, 64):
                 runs[f"strip rows={rpp}"] = (
-                    functools.partial(_strip, case, scratch, rpp), 4.0, False)
+                    functools.partial(_strip, case, scratch, rpp),
+                    4.0,
+                    False,
+                )
                 runs[f"strip+update rows={rpp}"] = (
-                    functools.partial(_strip_split, case, scratch, rpp), 9.0, True)
+                    functools.partial(_strip_split, case, scratch, rpp),
+                    9.0,
+                    True,
+                )
         copy_ms = float("nan")
         if cuda:
             src = torch.empty(rows * cols * 4, dtype=torch.uint8, device="cuda")
@@ -290,8 +466,10 @@ def main() -> None:
             ts = sorted(times[name])
             ms = ts[len(ts) // 2]
             verdict = _check(case, run) if check else ""
-            print(f"{tag:28s} {name:26s} {ms:7.3f} {ts[0]:7.3f}-{ts[-1]:<7.3f} "
-                  f"{copy_ms * nbytes / 8 / ms:7.0%}  {verdict}")
+            print(
+                f"{tag:28s} {name:36s} {ms:7.3f} {ts[0]:7.3f}-{ts[-1]:<7.3f} "
+                f"{copy_ms * nbytes / 8 / ms:7.0%}  {verdict}"
+            )
             sys.stdout.flush()
         case = None  # type: ignore[assignment]
         if cuda:

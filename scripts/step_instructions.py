@@ -26,6 +26,8 @@ from collections import defaultdict
 import torch
 
 SCHEDULERS_PER_SM = 4  # warp schedulers per streaming multiprocessor (sm_90), one issue/cycle
+# Nsight Compute's units for a duration ("ns" in --csv) and a clock rate ("hz" in --csv).
+_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
 # Nsight Compute's units for a clock rate ("cycle/nsecond" in --csv, "Ghz" on the details page).
 _HZ = {"hz": 1.0, "khz": 1e3, "mhz": 1e6, "ghz": 1e9, "second": 1.0, "usecond": 1e6, "nsecond": 1e9}
 
@@ -53,9 +55,11 @@ def _params(model: str) -> int:
     return numel(shapes_for(model, "full"))
 
 
-def summarize(text: str, params: int, sms: int) -> str:
+def summarize(text: str, params: int, sms: int, clock_hz: float | None = None) -> str:
     """The summary of Nsight Compute's ``--csv`` output ``text`` for a step of ``params``
-    parameters on ``sms`` streaming multiprocessors."""
+    parameters on ``sms`` streaming multiprocessors, at ``clock_hz`` (default: the median SM
+    clock the profile measured; Nsight Compute locks it to the base clock unless run with
+    ``--clock-control none``)."""
     body = text[text.index('"ID"') :]
     per_kernel: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     launches: dict[str, int] = defaultdict(int)
@@ -68,12 +72,13 @@ def summarize(text: str, params: int, sms: int) -> str:
             per_kernel[name]["inst"] += value
             launches[name] += 1
         elif metric == "gpu__time_duration.sum":
-            scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}[unit]
+            scale = _MS[unit]
             per_kernel[name]["ms"] += value * scale
         elif metric == "smsp__cycles_elapsed.avg.per_second":
             scale = _HZ[unit.lower().replace("cycle/", "")]
             clocks.append(value * scale)
-    clock = sorted(clocks)[len(clocks) // 2]
+    measured = sorted(clocks)[len(clocks) // 2]
+    clock = clock_hz or measured
     rate = sms * SCHEDULERS_PER_SM * clock  # warp instructions per second at full issue
     lines = [
         f"{'kernel':40s} {'launches':>8s} {'warp inst':>14s} {'inst/param':>10s} "
@@ -92,7 +97,8 @@ def summarize(text: str, params: int, sms: int) -> str:
         f"{total_inst * 32 / params:10.1f} {total_ms:8.3f} {total_inst / rate * 1e3:14.3f}"
     )
     lines.append(
-        f"\n{params} parameters; SM clock {clock / 1e9:.3f} GHz (median over kernels), {sms} SMs "
+        f"\n{params} parameters; SM clock {clock / 1e9:.3f} GHz (measured: {measured / 1e9:.3f}, "
+        f"the median over kernels), {sms} SMs "
         f"x {SCHEDULERS_PER_SM} schedulers: {rate / 1e12:.3f}e12 warp instructions/s at full "
         f"issue. 'ms' is each kernel's own duration under the profiler (serialised), not the "
         f"step's time."
@@ -107,10 +113,16 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=3)
     parser.add_argument("--summarize", metavar="CSV", help="sum an Nsight Compute CSV instead")
     parser.add_argument("--sms", type=int, default=132, help="SM count (--summarize)")
+    parser.add_argument(
+        "--clock-ghz",
+        type=float,
+        help="SM clock for the issue bound (--summarize; default: measured)",
+    )
     args = parser.parse_args()
     if args.summarize:
         with open(args.summarize) as f:
-            print(summarize(f.read(), _params(args.model), args.sms))
+            clock = args.clock_ghz * 1e9 if args.clock_ghz else None
+            print(summarize(f.read(), _params(args.model), args.sms, clock))
         return
     _step(args.model, not args.block, args.warm_steps)
     sys.stdout.flush()

@@ -23,8 +23,6 @@ import io
 import sys
 from collections import defaultdict
 
-import torch
-
 SCHEDULERS_PER_SM = 4  # warp schedulers per streaming multiprocessor (sm_90), one issue/cycle
 # Nsight Compute's units for a duration ("ns" in --csv) and a clock rate ("hz" in --csv).
 _MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
@@ -33,6 +31,9 @@ _HZ = {"hz": 1.0, "khz": 1e3, "mhz": 1e6, "ghz": 1e9, "second": 1.0, "usecond": 
 
 
 def _step(model: str, factored: bool, warm_steps: int) -> None:
+    # Imported here: --summarize (and this script's test in `nox -s lint`) needs no torch.
+    import torch
+
     from gefen_bench.param_sets import build_param_set, shapes_for
     from gefen_core import Gefen
 

@@ -23,8 +23,11 @@ can be cut in two passes (kernel notes, "9 B/param factored"):
 The split must give production's codes, scales and parameters bit for bit (the same
 helpers in the same order); the script checks it. It times, interleaved: production's
 statistics pass and tile kernel, ``quant``, ``update`` and ``strip``, on bf16 matrices with
-Llama's and GPT-2's periods. ``--device cpu`` runs it under ``TRITON_INTERPRET=1`` on small
-shapes.
+Llama's and GPT-2's periods. Ablations (timed only; their results differ on purpose):
+``quant`` with the approximate division for ``m / s'``, ``update`` with the approximate square
+root and division in ``sigma``, or with no ``sigma``. ``--ncu`` launches each kernel once on
+two cases, for Nsight Compute's counts (``docs/results/h200-2026-12-02-session20/``).
+``--device cpu`` runs it under ``TRITON_INTERPRET=1`` on small shapes.
 """
 
 from __future__ import annotations
@@ -238,6 +241,7 @@ def _update_kernel(  # type: ignore[no-untyped-def]
     mhat = tl_codewords(cb_ptr, code) * s_new
     mhat = tl.where(big_v == 0.0, 0.0, mhat)
     u = (mhat * sigma) * lr
+    # Production skips this rounding when decay == 1; the probe's cases decay (Case.args).
     decayed = tl_round_to(p.to(tl.float32) * decay, p.dtype).to(tl.float32)
     tl.store(p_ptr + offs, tl_round_to(decayed - u, p.dtype), mask=mask)
 

@@ -17,11 +17,13 @@ can be cut in two passes (kernel notes, "9 B/param factored"):
   whenever the period and the column count are multiples of 16 (GPT-2's periods included);
 * ``strip`` (the 9 B/param form, blocks in rows only): ``quant`` that also sums ``g^2`` per
   block and per column over a strip of rows, so the statistics pass's own read of the
-  gradient goes away. Its column partials would be reduced by a finalize launch (not timed:
-  production's finalize stays).
+  gradient goes away. Its column partials would be reduced by a finalize launch (not timed),
+  and its sums are neither checked nor used (``update`` reads production's statistics).
 
 The split must give production's codes, scales and parameters bit for bit (the same
-helpers in the same order); the script checks it. It times, interleaved: production's
+helpers in the same order); the script checks it. The cases decay the parameters
+(``Case.args``), so the update pass always rounds the decayed parameter, as production does
+unless the decay is 1. It times, interleaved: production's
 statistics pass and tile kernel, ``quant``, ``update`` and ``strip``, on bf16 matrices with
 Llama's and GPT-2's periods. Ablations (timed only; their results differ on purpose):
 ``quant`` with the approximate division for ``m / s'``, ``update`` with the approximate square
@@ -293,9 +295,9 @@ def _strip(case: Case, scratch: dict[str, torch.Tensor], rows_per_program: int) 
     sc = _scalars(case)
     rows, cols, period = case.p.shape[0], sc["ncols"], sc["period"]
     strips = triton.cdiv(rows, rows_per_program)
-    if "row" not in scratch:
+    if f"col{rows_per_program}" not in scratch:
         scratch["row"] = torch.empty(sc["num_blocks"], device=case.p.device)
-        scratch["col"] = torch.empty(strips, cols, device=case.p.device)
+        scratch[f"col{rows_per_program}"] = torch.empty(strips, cols, device=case.p.device)
     p2 = triton.next_power_of_2(period)
     _strip_kernel[(cols // period, strips)](
         case.g,
@@ -304,7 +306,7 @@ def _strip(case: Case, scratch: dict[str, torch.Tensor], rows_per_program: int) 
         case.codebook,
         case.plan._table,
         scratch["row"],
-        scratch["col"],
+        scratch[f"col{rows_per_program}"],
         rows,
         cols,
         period,
@@ -320,6 +322,8 @@ def _strip(case: Case, scratch: dict[str, torch.Tensor], rows_per_program: int) 
 
 def _update(case: Case, nch: int, warps: int, sigma: int = 0) -> None:
     sc = _scalars(case)
+    # Each 16-element chunk must lie in one row and one block.
+    assert sc["period"] % 16 == 0 and sc["ncols"] % 16 == 0, (sc["period"], sc["ncols"])
     n = case.p.numel()
     per_magic, per_shift = ncols_divider(sc["period"])
     _update_kernel[(triton.cdiv(n, 16 * nch),)](

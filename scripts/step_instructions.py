@@ -24,9 +24,9 @@ import sys
 from collections import defaultdict
 
 SCHEDULERS_PER_SM = 4  # warp schedulers per streaming multiprocessor (sm_90), one issue/cycle
-# Nsight Compute's units for a duration ("ns" in --csv) and a clock rate ("hz" in --csv).
+# Nsight Compute's units (matched lower-cased) for a duration ("ns" in its --csv output) in ms,
 _MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
-# Nsight Compute's units for a clock rate ("cycle/nsecond" in --csv, "Ghz" on the details page).
+# and for a clock rate ("hz" in --csv; "Ghz" on the details page; "cycle/<time>" forms) in Hz.
 _HZ = {"hz": 1.0, "khz": 1e3, "mhz": 1e6, "ghz": 1e9, "second": 1.0, "usecond": 1e6, "nsecond": 1e9}
 
 
@@ -73,13 +73,17 @@ def summarize(text: str, params: int, sms: int, clock_hz: float | None = None) -
             per_kernel[name]["inst"] += value
             launches[name] += 1
         elif metric == "gpu__time_duration.sum":
-            scale = _MS[unit]
+            scale = _MS[unit.lower()]
             per_kernel[name]["ms"] += value * scale
         elif metric == "smsp__cycles_elapsed.avg.per_second":
             scale = _HZ[unit.lower().replace("cycle/", "")]
             clocks.append(value * scale)
-    measured = sorted(clocks)[len(clocks) // 2]
+    # The median launch's clock (the upper one of an even count), unweighted by duration: the
+    # clock hardly moves within one step (1.944-1.976 GHz in the twentieth session's profiles).
+    measured = sorted(clocks)[len(clocks) // 2] if clocks else float("nan")
     clock = clock_hz or measured
+    if clock != clock:
+        raise ValueError("the profile has no smsp__cycles_elapsed.avg.per_second: pass clock_hz")
     rate = sms * SCHEDULERS_PER_SM * clock  # warp instructions per second at full issue
     lines = [
         f"{'kernel':40s} {'launches':>8s} {'warp inst':>14s} {'inst/param':>10s} "
@@ -90,11 +94,11 @@ def summarize(text: str, params: int, sms: int, clock_hz: float | None = None) -
         total_inst += d["inst"]
         total_ms += d["ms"]
         lines.append(
-            f"{name[:40]:40s} {launches[name]:8d} {d['inst']:14.4g} "
+            f"{name[:40]:40s} {launches[name]:8d} {d['inst']:14.4e} "
             f"{d['inst'] * 32 / params:10.1f} {d['ms']:8.3f} {d['inst'] / rate * 1e3:14.3f}"
         )
     lines.append(
-        f"{'total':40s} {sum(launches.values()):8d} {total_inst:14.4g} "
+        f"{'total':40s} {sum(launches.values()):8d} {total_inst:14.4e} "
         f"{total_inst * 32 / params:10.1f} {total_ms:8.3f} {total_inst / rate * 1e3:14.3f}"
     )
     lines.append(

@@ -58,3 +58,16 @@ def test_clock_override_and_unknown_units() -> None:
     assert "measured: 1.500" in summary
     with pytest.raises(KeyError):
         step_instructions.summarize(text.replace('"ns"', '"furlong"'), params=32, sms=1)
+
+
+def test_clock_units_and_a_profile_without_clocks() -> None:
+    text = _csv([("_k", 2_000_000, 10_000.0, 1.0)])
+    per_ns = text.replace('"hz","1"', '"cycle/nsecond","1.6"').replace('"ns"', '"NS"')
+    summary = step_instructions.summarize(per_ns, params=32, sms=1)
+    assert "measured: 1.600" in summary
+    assert float(_total(summary)[4]) == pytest.approx(0.01, abs=5e-4)
+    no_clock = "".join(line for line in text.splitlines(True) if "cycles_elapsed" not in line)
+    with pytest.raises(ValueError, match="clock_hz"):
+        step_instructions.summarize(no_clock, params=32, sms=1)
+    summary = step_instructions.summarize(no_clock, params=32, sms=1, clock_hz=1e9)
+    assert float(_total(summary)[-1]) == pytest.approx(2e6 / 4e9 * 1e3, abs=5e-4)

@@ -623,11 +623,14 @@ def resident_warps(regs: int, num_warps: int) -> int:
 
 # (shape, period): factored when 2-D; aligned and unaligned periods and column counts, sizes
 # that make the statistics scratch's column partials and block sums aligned or not.
-# 1152 takes a head and a tail piece, with (2304 columns) and without (3072) IN_ROW.
+# 1152 takes a head and a tail piece, with (2304 columns) and without (3072) IN_ROW; without,
+# the tile only quantises and the flat update follows (FLAT_UPDATE), as at 1536 on 2304.
 LAYOUT_CASES = [((256, 2048), 2048), ((768, 2304), 1152), ((768, 3072), 1152),
+                ((768, 2304), 1536),
                 ((1733, 768), 1733), ((40, 24), 8), ((5, 600), 40), ((1, 16), 16),
                 ((4096,), 64), ((2304,), 24), ((7,), 7), ((3466, 768), 768)]
 _LAYOUT_PAIRS = {"_step_tile_kernel": "_group_tile_kernel",
+                 "_step_update_kernel": "_group_update_kernel",
                  "_factored_stats_kernel": "_group_stats_kernel",
                  "_factored_finalize_kernel": "_group_finalize_kernel"}
 

@@ -45,7 +45,8 @@ def test_every_kernel_compiles_for_sm90() -> None:
     for kernel in ("_step_loop_kernel", "_step_partial_kernel", "_step_apply_kernel",
                    "_factored_stats_kernel", "_factored_finalize_kernel",
                    "_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel",
-                   "_quantize_kernel", "_muon_tile_kernel", "_muon_loop_kernel",
+                   "_step_update_kernel", "_group_update_kernel", "_quantize_kernel",
+                   "_muon_tile_kernel", "_muon_loop_kernel",
                    "_muon_apply_kernel", "_period_prefix_kernel", "_period_offsets_kernel",
                    "_period_terms_kernel", "_period_carry_kernel", "_multi_prefix_kernel",
                    "_multi_terms_kernel", "_multi_carry_kernel", "_dp_first_layer_kernel",
@@ -68,7 +69,8 @@ def test_grouped_kernels_compile_to_the_one_tensor_layouts() -> None:
     assert proc.returncode == 0, report[-8000:]
     assert " 0 kernel pairs with different layouts" in report, report[-2000:]
     for kernel in ("_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel",
-                   "_multi_prefix_kernel", "_multi_terms_kernel", "_multi_carry_kernel"):
+                   "_group_update_kernel", "_multi_prefix_kernel", "_multi_terms_kernel",
+                   "_multi_carry_kernel"):
         assert kernel in report, report[-2000:]
 
 

@@ -174,7 +174,8 @@ def test_loop_route_factored_plans_share_the_statistics_launches(monkeypatch) ->
 
 def test_groups_launch_once_per_class_and_chunk(monkeypatch) -> None:
     counts = count_launches(monkeypatch, step_groups, (
-        "_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel"))
+        "_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel",
+        "_group_update_kernel"))
     dev = _device()
     cb = make_codebook(2).to(dev)
     items = _tensors(dev, seed=3)
@@ -187,16 +188,20 @@ def test_groups_launch_once_per_class_and_chunk(monkeypatch) -> None:
     # the two head-and-tail classes (P2 256, TAIL 16; with and without IN_ROW), P2 256 without
     # a tail, and the split-route tensor's (statistics only). Block classes: P2 8 bf16, P2 1024
     # fp32, P2 32 fp16. The block split-route tensor launches alone and the empty one not at
-    # all.
+    # all. The two classes whose blocks cross rows at a period that is a multiple of 16 (P 144
+    # and 240 on 96 columns) follow their tile launch with a flat update (FLAT_UPDATE).
     assert counts == {"_group_stats_kernel": 9, "_group_finalize_kernel": 9,
-                      "_group_tile_kernel": 11}
+                      "_group_tile_kernel": 11, "_group_update_kernel": 2}
+    flat = [cls.members for cls in StepGroups(plans, grads)._classes
+            if cls.consts.get("FLAT_UPDATE")]
+    assert sorted(flat) == [[7], [9]]
     # One factored tensor per chunk; block classes need no scratch and stay whole.
     monkeypatch.setattr(step_groups, "GROUP_SCRATCH_BYTES", 0)
     counts.clear()
     StepGroups(plans, grads).launch(grads, [_scalars(j, c[4]) for j, c in enumerate(CASES)],
                                     None)
     assert counts == {"_group_stats_kernel": 11, "_group_finalize_kernel": 11,
-                      "_group_tile_kernel": 13}
+                      "_group_tile_kernel": 13, "_group_update_kernel": 2}
 
 
 @pytest.mark.parametrize("force_loop", [False, True])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from kernels_inputs import assert_bitwise, clone_state, make_codebook, random_state
@@ -97,3 +99,71 @@ def test_plan_refuses_bad_state_at_construction() -> None:
                  torch.zeros(4, 1, device=dev), None, torch.zeros(8, device=dev),
                  torch.zeros(5, device=dev), make_codebook(1).to(dev), beta1=0.9, beta2=0.999,
                  eps=1e-8, maximize=False, stochastic_round=False, capturable=False)
+
+
+@pytest.mark.parametrize("rows,cols,period,flags", [
+    (6, 96, 144, {}),  # a head-and-tail tile (tile_shape), blocks across rows
+    (10, 96, 240, {"stochastic_round": True}),
+    (12, 48, 32, {"capturable": True, "decay": 1.0}),
+    (12, 48, 32, {"lr": 0.0}),  # codes and scales only: the update writes nothing
+])
+def test_flat_update_matches_the_fused_tile(rows, cols, period, flags, monkeypatch) -> None:
+    """FLAT_UPDATE (a quantising tile, then the flat update: _step_kernels.flat_update) gives
+    the fused tile kernel's codes, scales and parameters bit for bit, through the public
+    launcher and StepPlan, with a zero-gradient row (V = 0), a NaN gradient (a NaN scale)
+    and a block of zero momentum (scale 0)."""
+    step_kernels = importlib.import_module("gefen_kernels.ops._step_kernels")
+    step_plan = importlib.import_module("gefen_kernels.ops.step_plan")
+    dev = _device()
+    gen = torch.Generator().manual_seed(period + rows)
+    param = torch.randn(rows, cols, generator=gen).to(torch.bfloat16).to(dev)
+    grad = torch.randn(rows, cols, generator=gen)
+    grad[2] = 0.0
+    grad.view(-1)[period + 3] = float("nan")
+    st = random_state(rows * cols // period, period, seed=period)
+    del st["exp_avg_sq"]
+    st["scale"][-1] = 0.0
+    grad.view(-1)[-period:] = 0.0
+    st["row"] = torch.rand(rows, generator=gen) * 1e-3
+    st["col"] = torch.rand(cols, generator=gen) * 1e-3
+    st = {k: v.to(dev) for k, v in st.items()}
+    grad = grad.to(dev)
+    cb = make_codebook(6).to(dev)
+    hp = dict(HP, **{k: v for k, v in flags.items() if k in HP})
+    stochastic = bool(flags.get("stochastic_round"))
+    capturable = bool(flags.get("capturable"))
+    hyper = torch.tensor([hp["lr"], hp["bc2"], hp["bc1_recip"], hp["decay"]], device=dev)
+    dev_kw = dict(hyper=hyper, seed_tensor=torch.tensor([5], device=dev)) if capturable else {}
+    assert step_kernels.flat_update(True, period, cols, False)
+
+    def public() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        p, s = param.clone(), clone_state(st)
+        factored_step_triton(p, grad, s["codes"], s["scale"], s["row"], s["col"], cb,
+                             beta1=0.9, beta2=0.999, eps=1e-8, bc1_recip=hp["bc1_recip"],
+                             bc2_recip=hp["bc2"], lr=hp["lr"], decay=hp["decay"],
+                             stochastic_round=stochastic, seed=5, **dev_kw)
+        return p, s
+
+    def planned(expect_flat: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        p, s = param.clone(), clone_state(st)
+        plan = StepPlan(p, s["codes"], s["scale"], None, s["row"], s["col"], cb, beta1=0.9,
+                        beta2=0.999, eps=1e-8, maximize=False, stochastic_round=stochastic,
+                        capturable=capturable)
+        assert plan._consts["FLAT_UPDATE"] == expect_flat
+        plan.launch(grad, seed=5, **_rounded(hp), **dev_kw)
+        return p, s
+
+    flat = [public(), planned(True)]
+    fused_rule = lambda *args: False  # noqa: E731
+    monkeypatch.setattr(step_kernels, "flat_update", fused_rule)
+    monkeypatch.setattr(step_plan, "flat_update", fused_rule)
+    fused = [public(), planned(False)]
+    for (p, s), (p_ref, s_ref) in zip(flat, fused):
+        assert_bitwise(p, p_ref, "param")
+        for k in s:
+            assert_bitwise(s[k], s_ref[k], k)
+    assert torch.isnan(flat[0][1]["scale"]).any() and (flat[0][1]["scale"] == 0).any()
+    if hp["lr"] == 0.0:
+        assert_bitwise(flat[0][0], param, "param (lr 0)")
+    else:
+        assert (flat[0][0] != param).any()

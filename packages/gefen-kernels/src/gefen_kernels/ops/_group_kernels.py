@@ -3,8 +3,8 @@
 Every program looks up its tensor in an int64 *meta table* (one row per tensor, columns in
 :data:`META`) through an int32 *program map* (program -> row), then runs exactly the per-program
 work of the one-tensor kernels (:func:`._step_kernels._tile_blocks`,
-:func:`.factored_step._stats_program`, :func:`.factored_step._finalize_program`) with the
-tensor's own sizes.
+:func:`._step_kernels._flat_update`, :func:`.factored_step._stats_program`,
+:func:`.factored_step._finalize_program`) with the tensor's own sizes.
 
 **Same compiled layout, same bits.** The order of a block or row sum inside a program follows
 the register layout Triton picks, and that follows what the compiler knows about the
@@ -34,7 +34,7 @@ per-tensor scalars (``hyper_ptr``, fp32 ``[T, 4]``: lr, bc2, bc1_recip, decay) a
 from __future__ import annotations
 
 from .._triton import jit, tl
-from ._step_kernels import _tile_blocks
+from ._step_kernels import _flat_update, _tile_blocks
 from ._triton_helpers import _low_float
 from .factored_step import _finalize_program, _stats_program
 
@@ -51,18 +51,22 @@ META = (
     "stats_first", "finalize_first",  # first programs in the statistics / finalize launches
     "inv_c", "inv_r",  # fp32 bits of f32(1/C), f32(1/R)
     "stats_items",  # work items per statistics program (factored_step.stats_items_per_program)
+    # The flat update (FLAT_UPDATE classes): its first program, elements / 16, and the
+    # period's divider (_step_kernels.ncols_divider).
+    "update_first", "numel16", "period_magic", "period_shift",
 )
 META_COLS = len(META)
 # The kernels index the table with literals (a jit function cannot read a Python dict).
-assert META_COLS == 28 and META.index("t") == 5 and META.index("tile_first") == 11
+assert META_COLS == 32 and META.index("t") == 5 and META.index("tile_first") == 11
 assert META.index("nrows") == 12 and META.index("region") == 18
 assert META.index("stats_first") == 23 and META.index("inv_r") == 26
-assert META.index("stats_items") == 27
+assert META.index("stats_items") == 27 and META.index("update_first") == 28
+assert META.index("period_shift") == 31
 
 
 @jit
 def _meta_row(meta_ptr, prog_ptr, pid):  # type: ignore[no-untyped-def]
-    return meta_ptr + tl.load(prog_ptr + pid).to(tl.int64) * 28
+    return meta_ptr + tl.load(prog_ptr + pid).to(tl.int64) * 32
 
 
 @jit
@@ -104,7 +108,8 @@ def _group_tile_kernel(meta_ptr, prog_ptr, gptr_ptr, p_base, g_base, q_base, f_b
                        P2: tl.constexpr, FACTORED: tl.constexpr, MAXIMIZE: tl.constexpr,
                        STOCHASTIC: tl.constexpr, STEPS: tl.constexpr, OFFS64: tl.constexpr,
                        IN_ROW: tl.constexpr, SPEC_PERIOD: tl.constexpr,
-                       SPEC_NCOLS: tl.constexpr, TAIL: tl.constexpr):
+                       SPEC_NCOLS: tl.constexpr, TAIL: tl.constexpr,
+                       FLAT_UPDATE: tl.constexpr):
     """Tile route over the tensors of one class: program ``pid`` runs ``_tile_blocks`` for
     its tensor's program ``pid - tile_first``. ``P_VEC``/``G_VEC``: parameter/gradient
     elements per 16 bytes; ``f_base``: the class's fp32 base (scales, statistics)."""
@@ -133,7 +138,29 @@ def _group_tile_kernel(meta_ptr, prog_ptr, gptr_ptr, p_base, g_base, q_base, f_b
     _tile_blocks(local, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, v_ptr, col_ptr, inv_rbar_ptr, cb_ptr,
                  table_ptr, num_blocks, period, ncols, _i32(tl.load(row + 9)),
                  _i32(tl.load(row + 10)), b1, omb1, b2, omb2, eps, lr, bc2, bc1, decay, seed_u,
-                 BPP, P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64, IN_ROW, TAIL)
+                 BPP, P2, FACTORED, MAXIMIZE, STOCHASTIC, STEPS, OFFS64, IN_ROW, TAIL,
+                 FLAT_UPDATE)
+
+
+@jit
+def _group_update_kernel(meta_ptr, prog_ptr, p_base, q_base, f_base, scratch_ptr, cb_ptr,  # type: ignore[no-untyped-def]
+                         hyper_ptr, eps, P_VEC: tl.constexpr, SPEC_PERIOD: tl.constexpr,
+                         SPEC_NCOLS: tl.constexpr, CHUNKS: tl.constexpr):
+    """The flat update over the tensors of one ``FLAT_UPDATE`` class, after its tile launch:
+    program ``pid`` runs :func:`._step_kernels._flat_update` for its tensor's program
+    ``pid - update_first``."""
+    pid = tl.program_id(0)
+    row = _meta_row(meta_ptr, prog_ptr, pid)
+    t = tl.load(row + 5)
+    _flat_update(_i32(pid - tl.load(row + 28)), p_base + tl.load(row + 0) * P_VEC,
+                 q_base + tl.load(row + 1) * 16, f_base + tl.load(row + 2) * 4,
+                 f_base + tl.load(row + 3) * 4, f_base + tl.load(row + 4) * 4,
+                 _region(scratch_ptr, row) + tl.load(row + 21), cb_ptr, _i32(tl.load(row + 29)),
+                 _spec(tl.load(row + 7), SPEC_PERIOD), _i32(tl.load(row + 30)),
+                 _i32(tl.load(row + 31)), _spec(tl.load(row + 8), SPEC_NCOLS),
+                 _i32(tl.load(row + 9)), _i32(tl.load(row + 10)), tl.load(hyper_ptr + t * 4 + 1),
+                 tl.load(hyper_ptr + t * 4 + 2), eps, tl.load(hyper_ptr + t * 4 + 0),
+                 tl.load(hyper_ptr + t * 4 + 3), CHUNKS)
 
 
 @jit

@@ -180,7 +180,8 @@ def multi_block_step_triton(
             table, hyper, seeds, b1, f32(1.0 - b1), b2, f32(1.0 - b2), f32(eps),
             P_VEC=16 // p_dtype.itemsize, G_VEC=16 // g_dtype.itemsize, BPP=bpp, P2=p2,
             FACTORED=False, MAXIMIZE=bool(maximize), STOCHASTIC=bool(stochastic_round),
-            STEPS=steps, OFFS64=offs64, IN_ROW=False, TAIL=0, SPEC_PERIOD=spec, SPEC_NCOLS=1,
+            STEPS=steps, OFFS64=offs64, IN_ROW=False, TAIL=0, FLAT_UPDATE=False,
+            SPEC_PERIOD=spec, SPEC_NCOLS=1,
             num_warps=tile_warps(bpp * p2), **LAUNCH_OPTIONS)
 
 

@@ -7,10 +7,11 @@ host-bound (H200 run 4, ``docs/internals/kernel-notes.md``). :class:`StepGroups`
 plans once into classes that one kernel variant serves (mode, dtypes, tile shape, statistics
 tile, alignment) and launches each class as one tile launch (block mode) or one statistics, one
 finalize and one tile launch per chunk of factored tensors whose scratch fits
-:data:`GROUP_SCRATCH_BYTES`. Factored plans of the other routes (loop, split) form classes of
-their own whose statistics and finalize launches are grouped the same way, and then launch
-their update alone (:meth:`.step_plan.StepPlan.launch_update`, with ``1/rbar`` from the group's
-scratch): on an H200 the statistics of one bf16 ``[2048, 8192]`` gradient alone read it at about
+:data:`GROUP_SCRATCH_BYTES` (and one flat update launch after the tile where the class's
+blocks cross rows: :func:`._step_kernels.flat_update`). Factored plans of the other routes
+(loop, split) form classes of their own whose statistics and finalize launches are grouped the
+same way, and then launch their update alone (:meth:`.step_plan.StepPlan.launch_update`, with
+``1/rbar`` from the group's scratch): on an H200 the statistics of one bf16 ``[2048, 8192]`` gradient alone read it at about
 0.4 TB/s, those of 16 such gradients in one launch at about 1.4 TB/s
 (``docs/results/h200-2026-11-30-strips/``). Block-mode plans of those routes launch one by one.
 
@@ -63,7 +64,9 @@ from ._group_kernels import (
     _group_finalize_kernel,
     _group_stats_kernel,
     _group_tile_kernel,
+    _group_update_kernel,
 )
+from ._step_kernels import FLAT_CHUNKS, FLAT_WARPS, ncols_divider
 from ._triton_helpers import LAUNCH_OPTIONS
 from .factored_step import (
     _FIN_COLS,
@@ -211,7 +214,7 @@ class _Launches:
         self.consts = ({} if self.stats_only else
                        {k: first._consts[k] for k in ("BPP", "P2", "TAIL", "MAXIMIZE", "STOCHASTIC",
                                                       "STEPS", "OFFS64", "IN_ROW",
-                                                      "num_warps")})
+                                                      "FLAT_UPDATE", "num_warps")})
         self.layout = first._stats_layout
         self.side = False  # launched on the side stream (StepGroups.__init__)
         # The class's bases are the first member's parameter, codes and scales, looked up
@@ -260,8 +263,9 @@ class _Launches:
         # Programs per member of each launch; the program -> member maps are expanded in C
         # below (Llama-3.2-1B's tile launch alone has ~730K programs: a Python list of them
         # took tens of milliseconds of the first step).
-        counts: dict[str, list[int]] = {"tile": [], "stats": [], "finalize": []}
-        firsts = {"tile": 0, "stats": 0, "finalize": 0}
+        counts: dict[str, list[int]] = {"tile": [], "stats": [], "finalize": [], "update": []}
+        firsts = {"tile": 0, "stats": 0, "finalize": 0, "update": 0}
+        flat = bool(self.consts.get("FLAT_UPDATE"))
         inv_rbar_at: list[int] = []  # each member's 1/rbar, as a float index into the scratch
         offset = 0
         for local, i in enumerate(members):
@@ -308,18 +312,27 @@ class _Launches:
             firsts["finalize"] += counts["finalize"][-1]
             row[_COL["inv_c"]] = _f32_bits(1.0 / ncols)
             row[_COL["inv_r"]] = _f32_bits(1.0 / nrows)
+            if flat:  # the flat update after the tile launch (_group_update_kernel)
+                n_update = _cdiv(plan.numel, 16 * FLAT_CHUNKS)
+                row[_COL["update_first"]] = firsts["update"]
+                row[_COL["numel16"]] = plan.numel // 16
+                row[_COL["period_magic"]], row[_COL["period_shift"]] = ncols_divider(period)
+                counts["update"].append(n_update)
+                firsts["update"] += n_update
             rows_out.append(row)
         local_ids = torch.arange(len(members), dtype=torch.int32)
         prog = torch.cat([
             local_ids[:len(c)].repeat_interleave(torch.tensor(c, dtype=torch.int64))
-            for c in (counts["tile"], counts["stats"], counts["finalize"])]).to(device)
-        n_tile, n_stats = firsts["tile"], firsts["stats"]
+            for c in (counts["tile"], counts["stats"], counts["finalize"],
+                      counts["update"])]).to(device)
+        n_tile, n_stats, n_fin = firsts["tile"], firsts["stats"], firsts["finalize"]
         return {
             "meta": torch.tensor(rows_out, dtype=torch.int64).to(device),
             "tile": prog[:n_tile], "stats": prog[n_tile:n_tile + n_stats],
-            "finalize": prog[n_tile + n_stats:], "scratch": offset, "tensors": len(members),
-            "n_tile": n_tile, "n_stats": n_stats, "n_finalize": firsts["finalize"],
-            "members": members, "inv_rbar_at": inv_rbar_at,
+            "finalize": prog[n_tile + n_stats:n_tile + n_stats + n_fin],
+            "update": prog[n_tile + n_stats + n_fin:], "scratch": offset,
+            "tensors": len(members), "n_tile": n_tile, "n_stats": n_stats, "n_finalize": n_fin,
+            "n_update": firsts["update"], "members": members, "inv_rbar_at": inv_rbar_at,
         }
 
 
@@ -417,7 +430,7 @@ class StepGroups:
             c = plan._consts
             layout = plan._stats_layout[:2] if plan._stats_layout is not None else None
             tile = (None if _stats_only(plan) else
-                    (c["P2"], c["BPP"], c["TAIL"], c["OFFS64"], c["IN_ROW"]))
+                    (c["P2"], c["BPP"], c["TAIL"], c["OFFS64"], c["IN_ROW"], c["FLAT_UPDATE"]))
             key = (plan.factored, plan.dtype, grad.dtype, tile, layout, _class_specs(plan))
             classes.setdefault(key, []).append(i)
         self._classes = [_Launches(key, members, plans, self.device)
@@ -655,4 +668,11 @@ class StepGroups:
                 G_VEC=cls.g_vec, BPP=c["BPP"], P2=c["P2"], TAIL=c["TAIL"],
                 FACTORED=cls.factored, MAXIMIZE=c["MAXIMIZE"], STOCHASTIC=c["STOCHASTIC"],
                 STEPS=c["STEPS"], OFFS64=c["OFFS64"], IN_ROW=c["IN_ROW"], SPEC_PERIOD=sp[0],
-                SPEC_NCOLS=sp[1], num_warps=c["num_warps"], **LAUNCH_OPTIONS)
+                SPEC_NCOLS=sp[1], FLAT_UPDATE=c["FLAT_UPDATE"],
+                num_warps=c["num_warps"], **LAUNCH_OPTIONS)
+            if c["FLAT_UPDATE"]:
+                assert scratch is not None
+                _group_update_kernel[(chunk["n_update"],)](
+                    chunk["meta"], chunk["update"], p_base, q_base, f_base, scratch, codebook,
+                    hyper, eps, P_VEC=cls.p_vec, SPEC_PERIOD=sp[0], SPEC_NCOLS=sp[1],
+                    CHUNKS=FLAT_CHUNKS, num_warps=FLAT_WARPS, **LAUNCH_OPTIONS)

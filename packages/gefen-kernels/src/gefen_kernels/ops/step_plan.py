@@ -9,8 +9,9 @@ rounding) dominated the step on an H200 (~350 µs of host time per tensor, first
 
 A :class:`StepPlan` does the checks and the launch decisions once per (parameter, state)
 and keeps them: each step then costs one kernel launch per block-mode tensor and three per
-factored tensor (statistics, finalize, update), plus one scratch allocation for the factored
-partials. The launches are exactly those of :func:`block_step_triton` /
+factored tensor (statistics, finalize, update; four where the update is a quantising tile and
+a flat update, :func:`._step_kernels.flat_update`), plus one scratch allocation for the
+factored partials. The launches are exactly those of :func:`block_step_triton` /
 :func:`factored_step_triton`, so results are bit-identical to theirs. A plan holds only weak
 references to its tensors; :meth:`StepPlan.matches` says whether it still describes them (a
 reloaded checkpoint or a re-mapped codebook gives new tensors, hence a new plan).
@@ -34,6 +35,8 @@ from ._step_kernels import (
     _step_tile_kernel,
     blocks_in_rows,
     choose_route,
+    flat_update,
+    launch_flat_update,
     launch_step,
     ncols_divider,
     needs_int64,
@@ -115,7 +118,9 @@ class StepPlan:
             self._kernel = _step_tile_kernel
             self._grid: tuple[int, ...] | None = (-(-num_blocks // bpp),)
             consts.update(BPP=bpp, P2=p2, TAIL=tail, num_warps=tile_warps(bpp * p2),
-                          IN_ROW=blocks_in_rows(self.factored, period, self.ncols))
+                          IN_ROW=blocks_in_rows(self.factored, period, self.ncols),
+                          FLAT_UPDATE=flat_update(self.factored, period, self.ncols,
+                                                  consts["OFFS64"]))
         elif self.route == "loop":
             self._kernel = _step_loop_kernel
             self._grid = (num_blocks,)
@@ -230,3 +235,7 @@ class StepPlan:
             seed_tensor if seed_tensor is not None else dummy, num_blocks, period, ncols, magic,
             shift, b1, omb1, b2, omb2, eps, lr, bc2, bc1_recip, decay, to_signed64(seed),
             **(self._consts if hyper is None or self.capturable else self._device_consts))
+        if self._consts.get("FLAT_UPDATE"):
+            assert row is not None and col is not None and inv_rbar is not None
+            launch_flat_update(param, codes, scale, row, col, inv_rbar, codebook, hyper,
+                               ncols=ncols, eps=eps, lr=lr, bc2=bc2, bc1=bc1_recip, decay=decay)

@@ -11,9 +11,10 @@ finalize and one tile launch per chunk of factored tensors whose scratch fits
 blocks cross rows: :func:`._step_kernels.flat_update`). Factored plans of the other routes
 (loop, split) form classes of their own whose statistics and finalize launches are grouped the
 same way, and then launch their update alone (:meth:`.step_plan.StepPlan.launch_update`, with
-``1/rbar`` from the group's scratch): on an H200 the statistics of one bf16 ``[2048, 8192]`` gradient alone read it at about
-0.4 TB/s, those of 16 such gradients in one launch at about 1.4 TB/s
-(``docs/results/h200-2026-11-30-strips/``). Block-mode plans of those routes launch one by one.
+``1/rbar`` from the group's scratch): on an H200 the statistics of one bf16 ``[2048, 8192]``
+gradient alone read it at about 0.4 TB/s, those of 16 such gradients in one launch at about
+1.4 TB/s (``docs/results/h200-2026-11-30-strips/``). Block-mode plans of those routes launch
+one by one.
 
 On CUDA the launches use more than one stream (``docs/results/h200-2026-12-01-session18/``):
 the small classes (:data:`SIDE_PROGRAMS`) run on a high-priority side stream, and the large

@@ -10,14 +10,14 @@ nvidia-smi --query-gpu=name,driver_version --format=csv > $L
 for run in old1 new1 old2 new2; do
   tree=tree; [ "${run:0:3}" = old ] && tree=old
   cd $ROOT/$tree
-  PYTHONPATH=$(ls -d $PWD/packages/*/src | tr '\n' ':')$PWD/scripts timeout 100 python3 -m gefen_bench.cli step \
-      --models gpt2 --optimizers gefen,gefen-graph,adamw-fused --steps 50 --timeout 80 --out /tmp/f_$run > /tmp/f_$run.log 2>&1
+  PYTHONPATH=$(ls -d $PWD/packages/*/src | tr '\n' ':')$PWD/scripts timeout 90 python3 -m gefen_bench.cli step \
+      --models gpt2 --optimizers gefen,gefen-graph,adamw-fused --steps 50 --timeout 70 --out /tmp/f_$run > /tmp/f_$run.log 2>&1
   echo "step $run EXIT $?" >> $L
   cp /tmp/f_$run/step.json $OUT/call5_step_$run.json
 done
 cd $ROOT/tree
-PYTHONPATH=$(ls -d $PWD/packages/*/src | tr '\n' ':')$PWD/scripts timeout 300 python3 -m gefen_bench.cli step --models gpt2,llama \
-    --optimizers gefen,gefen-blockv,adamw-fused,adamw-foreach,gefen-graph,gefen-blockv-graph,adamw-fused-graph \
+PYTHONPATH=$(ls -d $PWD/packages/*/src | tr '\n' ':')$PWD/scripts timeout 230 python3 -m gefen_bench.cli step --models gpt2,llama \
+    --optimizers gefen,gefen-blockv,adamw-fused,gefen-graph,gefen-blockv-graph,adamw-fused-graph \
     --steps 50 --timeout 120 --out /tmp/s5 > /tmp/s5.log 2>&1; echo "step final EXIT $?" >> $L
 cp /tmp/s5/step.json $OUT/call5_step.json; cp /tmp/s5/step.png $OUT/step.png
 cat $L

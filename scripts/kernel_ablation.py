@@ -371,6 +371,25 @@ class Case:
             if consts["BPP"] != self.plan._consts["BPP"]:
                 grid = (-(-self.plan._ints[0] // consts["BPP"]),)
         module._step_tile_kernel[grid](*args, 0, **consts)
+        if consts.get("FLAT_UPDATE"):  # blocks across rows: the tile quantised, now update
+            b1, omb1, b2, omb2, eps = self.plan._floats
+            lr, bc2, bc1, decay = args[-4:]
+            module.launch_flat_update(
+                self.p,
+                self.codes,
+                self.scale,
+                self.row,
+                self.col,
+                self.inv_rbar,
+                self.codebook,
+                None,
+                ncols=NCOLS,
+                eps=eps,
+                lr=lr,
+                bc2=bc2,
+                bc1=bc1,
+                decay=decay,
+            )
 
 
 def _differing(a: torch.Tensor, b: torch.Tensor) -> int:

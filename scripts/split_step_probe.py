@@ -20,6 +20,9 @@ can be cut in two passes (kernel notes, "9 B/param factored"):
   gradient goes away. Its column partials would be reduced by a finalize launch (not timed),
   and its sums are neither checked nor used (``update`` reads production's statistics).
 
+Since ``321c30c`` production itself splits where blocks cross rows
+(``_step_kernels.flat_update``); the ``fused tile`` row is the one-pass kernel there, and the
+``tile (production)`` rows of ``docs/results/h200-2026-12-02-session20/`` are it everywhere.
 The split must give production's codes, scales and parameters bit for bit (the same
 helpers in the same order); the script checks it. The cases decay the parameters
 (``Case.args``), so the update pass always rounds the decayed parameter, as production does
@@ -363,6 +366,13 @@ def _strip_split(case: Case, scratch: dict[str, torch.Tensor], rows_per_program:
     _update(case, 128, 4)
 
 
+def _fused(case: Case) -> None:
+    """The one-pass tile kernel, also where production now splits (``FLAT_UPDATE``)."""
+    prod = importlib.import_module("gefen_kernels.ops._step_kernels")
+    consts = dict(case.plan._consts, FLAT_UPDATE=False)
+    prod._step_tile_kernel[case.plan._grid](*case.args(), 0, **consts)
+
+
 def _stats(case: Case) -> None:
     factored_stats_triton(case.g, case.row, case.col, beta2=0.999, layout=case.plan._stats_layout)
 
@@ -396,7 +406,7 @@ def main() -> None:
         for rows, cols, period in (CASES[0], CASES[2]):
             kernel_ablation.ROWS, kernel_ablation.NCOLS = rows, cols
             case = Case(period, True)
-            case.launch(importlib.import_module("gefen_kernels.ops._step_kernels"))
+            _fused(case)
             for fast in (0, 1):
                 _quant(case, fast)
             for sigma in (0, 1, 2):
@@ -422,7 +432,8 @@ def main() -> None:
         # name -> (launch, bytes per element it moves, or None: no bit check)
         runs: dict[str, tuple[Any, float, bool]] = {
             "stats (production)": (functools.partial(_stats, case), 2.0, False),
-            "tile (production)": (functools.partial(case.launch, prod), 8.0, False),
+            "fused tile": (functools.partial(_fused, case), 8.0, True),
+            "production": (functools.partial(case.launch, prod), 8.0, False),
             "quant": (functools.partial(_quant, case), 4.0, False),
         }
         runs["quant, approximate m / s' (ablation)"] = (

@@ -250,17 +250,19 @@ def scenarios() -> Iterator[Callable[[], None]]:
                                 exp_avg_sq=v, row=None, col=None, inv_rbar=None, ncols=1,
                                 codebook=cb, route=route, **hp(**flags))
             yield run
-    # Factored mode: the statistics kernel and the step kernels with FACTORED=True. 1152, 144
-    # and 2304 (a 4096-lane tile) take a head and a tail piece (tile_shape's TAIL), 288 / 144
-    # with IN_ROW.
+    # Factored mode: the statistics kernel and the step kernels with FACTORED=True. 1152, 1140,
+    # 144 and 2304 (a 4096-lane tile) take a head and a tail piece (tile_shape's TAIL), 288 / 144
+    # with IN_ROW; 1152 on 576 columns and 2304 on 1024 the flat update (every parameter dtype
+    # for 576), 1140 (not a multiple of 16) the per-element form.
     for rows, cols, period, route in [(1, 1, 1, None), (1, 16, 16, None), (7, 13, 7, None),
                                       (64, 96, 32, None), (16, 1024, 2048, None),
-                                      (10, 576, 1152, None), (4, 288, 144, None),
+                                      (10, 576, 1152, None), (10, 570, 1140, None),
+                                      (4, 288, 144, None),
                                       (9, 1024, 2304, None),
                                       (2048, 64, 1, None), (3, 5003, 5003, "loop"),
                                       (2, 4099, 4099, "split"), (4097, 1, 1, None),
                                       (1, 4097, 4097, None)]:
-        for pdt in (pdtypes if (rows, cols) == (7, 13) else (torch.bfloat16,)):
+        for pdt in (pdtypes if (rows, cols) in ((7, 13), (10, 576)) else (torch.bfloat16,)):
             def run_f(rows: int = rows, cols: int = cols, period: int = period,
                       route: str | None = route, pdt: torch.dtype = pdt) -> None:
                 nb = rows * cols // period
@@ -626,7 +628,7 @@ def resident_warps(regs: int, num_warps: int) -> int:
 # 1152 takes a head and a tail piece, with (2304 columns) and without (3072) IN_ROW; without,
 # the tile only quantises and the flat update follows (FLAT_UPDATE), as at 1536 on 2304.
 LAYOUT_CASES = [((256, 2048), 2048), ((768, 2304), 1152), ((768, 3072), 1152),
-                ((768, 2304), 1536),
+                ((768, 2304), 1536), ((768, 2850), 1140),
                 ((1733, 768), 1733), ((40, 24), 8), ((5, 600), 40), ((1, 16), 16),
                 ((4096,), 64), ((2304,), 24), ((7,), 7), ((3466, 768), 768)]
 _LAYOUT_PAIRS = {"_step_tile_kernel": "_group_tile_kernel",

@@ -283,11 +283,12 @@ def _pair(param, grad, st, cb, *, route=None, split_elements=16384, loop_tile=20
 
 
 # (64, 96, 32), (12, 64, 16) and (8, 48, 48) take the tile route's per-block row statistic
-# and vector column loads (IN_ROW); (6, 80, 40) (a period not a multiple of 16) and
-# (16, 1024, 2048) (blocks across rows) the per-element form. The last eight take a head and
-# a tail piece (tile_shape's TAIL): 1152, 144 and 1024 / 2304 (a 4096-lane tile, 256-lane
-# tail) with per-element statistics, 2304 / 1152, 288 / 144, 1040 / 1040 and 2304 / 2304 with
-# IN_ROW, 150 (not a multiple of 16) with a 32-lane tail.
+# and vector column loads (IN_ROW); (6, 80, 40) (a period not a multiple of 16) the
+# per-element form; (16, 1024, 2048) (blocks across rows) the quantising tile and the flat
+# update (_step_kernels.flat_update). The last eight take a head and a tail piece
+# (tile_shape's TAIL): 1152, 144 and 1024 / 2304 (a 4096-lane tile, 256-lane tail) with the
+# flat update, 2304 / 1152, 288 / 144, 1040 / 1040 and 2304 / 2304 with IN_ROW, 150 (not a
+# multiple of 16) with per-element statistics and a 32-lane tail.
 PARITY = [(1, 1, 1), (7, 13, 7), (64, 96, 32), (1, 4097, 4097), (4097, 1, 1), (31, 33, 3),
           (16, 1024, 2048), (5, 300, 1500), (12, 64, 16), (8, 48, 48), (6, 80, 40),
           (10, 576, 1152), (6, 96, 144), (6, 2304, 1152), (4, 288, 144), (3, 1040, 1040),

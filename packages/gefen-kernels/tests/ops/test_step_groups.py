@@ -172,6 +172,44 @@ def test_loop_route_factored_plans_share_the_statistics_launches(monkeypatch) ->
     _compare(b, a)
 
 
+# Classes of several members whose blocks cross rows (FLAT_UPDATE): fp32 parameters, where
+# a one-ulp difference in an update shows.
+FLAT_CASES = [((40, 112), 80, torch.float32, torch.bfloat16, True)] * 3 + [
+    ((6, 96), 144, torch.float32, torch.float32, True)] * 2
+
+
+@pytest.mark.parametrize("scratch_bytes", [step_groups.GROUP_SCRATCH_BYTES, 0])
+def test_flat_update_classes_match_the_fused_tile(scratch_bytes, monkeypatch) -> None:
+    """Grouped FLAT_UPDATE classes (the flat update's programs of later members start at
+    ``update_first`` > 0; with no scratch to share, one chunk per member) give the bits of
+    one fused tile launch per plan (``flat_update`` switched off)."""
+    step_plan = importlib.import_module("gefen_kernels.ops.step_plan")
+    dev = _device()
+    cb = make_codebook(2).to(dev)
+    base = _tensors(dev, seed=60, cases=FLAT_CASES)
+    scalars = [_scalars(j, True) for j in range(len(FLAT_CASES))]
+    seeds = [17 * j - 40 for j in range(len(FLAT_CASES))]
+    a, b = _clone(base), _clone(base)
+    with monkeypatch.context() as m:
+        m.setattr(step_plan, "flat_update", lambda *args: False)
+        for plan, it, sc, seed in zip(_plans(a, cb, maximize=False, stochastic_round=True), a,
+                                      scalars, seeds):
+            assert not plan._consts["FLAT_UPDATE"]
+            lr, bc1, bc2, decay = sc
+            plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
+    monkeypatch.setattr(step_groups, "GROUP_SCRATCH_BYTES", scratch_bytes)
+    plans = _plans(b, cb, maximize=False, stochastic_round=True)
+    grads = [it["grad"] for it in b]
+    groups = StepGroups(plans, grads)
+    flat = [cls for cls in groups._classes if cls.consts["FLAT_UPDATE"]]
+    assert sorted(cls.members for cls in flat) == [[0, 1, 2], [3, 4]]
+    assert [len(cls.chunks) for cls in flat] == ([1, 1] if scratch_bytes else [3, 2])
+    groups.launch(grads, scalars, seeds)
+    _compare(b, a)
+    for it, orig in zip(b, base):
+        assert (it["param"] != orig["param"]).any()
+
+
 def test_groups_launch_once_per_class_and_chunk(monkeypatch) -> None:
     counts = count_launches(monkeypatch, step_groups, (
         "_group_tile_kernel", "_group_stats_kernel", "_group_finalize_kernel",

@@ -101,36 +101,48 @@ def test_plan_refuses_bad_state_at_construction() -> None:
                  eps=1e-8, maximize=False, stochastic_round=False, capturable=False)
 
 
-@pytest.mark.parametrize("rows,cols,period,flags", [
-    (6, 96, 144, {}),  # a head-and-tail tile (tile_shape), blocks across rows
-    (10, 96, 240, {"stochastic_round": True}),
-    (12, 48, 32, {"capturable": True, "decay": 1.0}),
-    (12, 48, 32, {"lr": 0.0}),  # codes and scales only: the update writes nothing
-])
-def test_flat_update_matches_the_fused_tile(rows, cols, period, flags, monkeypatch) -> None:
+# (rows, columns, period, parameter dtype, gradient dtype, flags): blocks across rows.
+FLAT_CASES = [
+    (6, 96, 144, torch.bfloat16, torch.float32, {}),  # a head-and-tail tile (tile_shape)
+    (40, 112, 80, torch.float32, torch.float32, {}),  # several flat programs, fp32 parameters
+    (10, 96, 240, torch.float16, torch.float16, {"stochastic_round": True, "maximize": True}),
+    (9, 1024, 2304, torch.float32, torch.bfloat16, {}),  # a 4096-lane tile, 8 warps
+    (12, 48, 32, torch.bfloat16, torch.bfloat16, {"capturable": True, "decay": 1.0}),
+    (12, 48, 32, torch.float32, torch.float32, {"lr": 0.0}),  # codes and scales only
+]
+
+
+@pytest.mark.parametrize("rows,cols,period,pdt,gdt,flags", FLAT_CASES)
+def test_flat_update_matches_the_fused_tile(rows, cols, period, pdt, gdt, flags,
+                                            monkeypatch) -> None:
     """FLAT_UPDATE (a quantising tile, then the flat update: _step_kernels.flat_update) gives
     the fused tile kernel's codes, scales and parameters bit for bit, through the public
-    launcher and StepPlan, with a zero-gradient row (V = 0), a NaN gradient (a NaN scale)
-    and a block of zero momentum (scale 0)."""
+    launcher and StepPlan. The state has a block with a NaN scale (its momentum and
+    parameters NaN), a block of zero momentum (new scale 0) and a row whose statistics are
+    exactly 0 (V = 0: no update); every other parameter must move (unless lr = 0) and stay
+    finite, so the comparison is not between NaNs."""
     step_kernels = importlib.import_module("gefen_kernels.ops._step_kernels")
     step_plan = importlib.import_module("gefen_kernels.ops.step_plan")
     dev = _device()
     gen = torch.Generator().manual_seed(period + rows)
-    param = torch.randn(rows, cols, generator=gen).to(torch.bfloat16).to(dev)
+    param = torch.randn(rows, cols, generator=gen).to(pdt).to(dev)
     grad = torch.randn(rows, cols, generator=gen)
-    grad[2] = 0.0
-    grad.view(-1)[period + 3] = float("nan")
     st = random_state(rows * cols // period, period, seed=period)
     del st["exp_avg_sq"]
-    st["scale"][-1] = 0.0
-    grad.view(-1)[-period:] = 0.0
     st["row"] = torch.rand(rows, generator=gen) * 1e-3
     st["col"] = torch.rand(cols, generator=gen) * 1e-3
+    nan_block, zero_block, zero_row = 1, st["scale"].shape[0] - 1, rows - 1
+    st["scale"][nan_block] = float("nan")
+    st["scale"][zero_block] = 0.0
+    grad.view(-1)[zero_block * period:] = 0.0
+    grad[zero_row] = 0.0
+    st["row"][zero_row] = 0.0
     st = {k: v.to(dev) for k, v in st.items()}
-    grad = grad.to(dev)
+    grad = grad.to(gdt).to(dev)
     cb = make_codebook(6).to(dev)
     hp = dict(HP, **{k: v for k, v in flags.items() if k in HP})
     stochastic = bool(flags.get("stochastic_round"))
+    maximize = bool(flags.get("maximize"))
     capturable = bool(flags.get("capturable"))
     hyper = torch.tensor([hp["lr"], hp["bc2"], hp["bc1_recip"], hp["decay"]], device=dev)
     dev_kw = dict(hyper=hyper, seed_tensor=torch.tensor([5], device=dev)) if capturable else {}
@@ -141,13 +153,13 @@ def test_flat_update_matches_the_fused_tile(rows, cols, period, flags, monkeypat
         factored_step_triton(p, grad, s["codes"], s["scale"], s["row"], s["col"], cb,
                              beta1=0.9, beta2=0.999, eps=1e-8, bc1_recip=hp["bc1_recip"],
                              bc2_recip=hp["bc2"], lr=hp["lr"], decay=hp["decay"],
-                             stochastic_round=stochastic, seed=5, **dev_kw)
+                             maximize=maximize, stochastic_round=stochastic, seed=5, **dev_kw)
         return p, s
 
     def planned(expect_flat: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         p, s = param.clone(), clone_state(st)
         plan = StepPlan(p, s["codes"], s["scale"], None, s["row"], s["col"], cb, beta1=0.9,
-                        beta2=0.999, eps=1e-8, maximize=False, stochastic_round=stochastic,
+                        beta2=0.999, eps=1e-8, maximize=maximize, stochastic_round=stochastic,
                         capturable=capturable)
         assert plan._consts["FLAT_UPDATE"] == expect_flat
         plan.launch(grad, seed=5, **_rounded(hp), **dev_kw)
@@ -162,8 +174,23 @@ def test_flat_update_matches_the_fused_tile(rows, cols, period, flags, monkeypat
         assert_bitwise(p, p_ref, "param")
         for k in s:
             assert_bitwise(s[k], s_ref[k], k)
-    assert torch.isnan(flat[0][1]["scale"]).any() and (flat[0][1]["scale"] == 0).any()
+    p, s = flat[0]
+    scale = s["scale"].view(-1)
+    assert torch.isnan(scale[nan_block]) and scale[zero_block] == 0.0
+    assert torch.isfinite(scale[:nan_block]).all() and (scale[:nan_block] > 0).all()
+    blocks = p.view(-1, period)
+    assert torch.isnan(blocks[nan_block]).all() if hp["lr"] != 0.0 else True
+    rest = torch.ones_like(blocks, dtype=torch.bool)
+    rest[nan_block] = False
+    rest[zero_block] = False
+    rest = rest.view(rows, cols)
+    rest[zero_row] = False
+    # The V = 0 row only decays: p <- fp(p * decay), no update (no write at all when lr = 0).
+    decayed = (param[zero_row].float() * f32(hp["decay"])).to(pdt)
+    assert_bitwise(p[zero_row], param[zero_row] if hp["lr"] == 0.0 else decayed,
+                   "param (V = 0 row)")
+    assert torch.isfinite(p[rest]).all()
     if hp["lr"] == 0.0:
-        assert_bitwise(flat[0][0], param, "param (lr 0)")
+        assert_bitwise(p, param, "param (lr 0)")
     else:
-        assert (flat[0][0] != param).any()
+        assert (p[rest] != param[rest]).float().mean() > 0.1  # bf16 rounds small steps away

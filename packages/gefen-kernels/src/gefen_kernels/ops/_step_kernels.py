@@ -36,6 +36,8 @@ int32: half the address arithmetic, and 32-bit row/column division in factored m
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -155,6 +157,7 @@ def _sweep_block(g_ptr, q_ptr, cb_ptr, base, lanes, period, s_old, b1, omb1,  # 
     return tl_nan_max(acc_max, acc_nan, 0), tl.sum(acc_sq, axis=0)
 
 
+@functools.lru_cache(maxsize=1024)  # per-step launchers ask again for the same few sizes
 def ncols_divider(ncols: int) -> tuple[int, int]:
     """``(magic, shift)`` such that ``n // ncols == umulhi(2 * n, magic) >> shift`` for every
     ``0 <= n < 2**31`` (Granlund and Montgomery 1994, Theorem 4.2 with N = 31: ``shift =

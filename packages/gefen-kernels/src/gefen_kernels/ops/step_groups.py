@@ -92,10 +92,11 @@ __all__ = ["GROUP_SCRATCH_BYTES", "StepGroups", "tile_meta_row"]
 # on the host, stream-ordered, before the next chunk's launches are issued, while another
 # stream's chunk may still run on the device.
 GROUP_SCRATCH_BYTES = 6 << 20
-# The large classes' chunks (each a statistics, finalize and tile launch, independent of the
-# others) are dealt round-robin over this many streams, the current one and CHAIN_STREAMS - 1
-# others, so one chunk's launches start while another chunk's last programs drain (CUDA only).
-# 1 keeps them all on the current stream.
+# The large classes' chunks (each a statistics, finalize and tile launch, and a flat update
+# launch in FLAT_UPDATE classes, independent of the others) are dealt round-robin over this
+# many streams, the current one and CHAIN_STREAMS - 1 others, so one chunk's launches start
+# while another chunk's last programs drain (CUDA only). 1 keeps them all on the current
+# stream.
 CHAIN_STREAMS = 2
 # A class whose tile launch has at most this many programs, and whose statistics scratch (if
 # factored) fits SIDE_SCRATCH_BYTES, runs on a high-priority side stream beside the larger

@@ -15,7 +15,7 @@ import copy
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,21 +49,53 @@ def build_state_dict(opt: Gefen) -> dict[str, Any]:
             "codebook": codebook, "deterministic": bool(opt._deterministic)}
     index: dict[int, int] = {}
     groups = []
-    for group in opt.param_groups:
+    for group, (names, flags) in zip(opt.param_groups, _params.live_names(opt.param_groups)):
         packed = {k: v for k, v in group.items() if k != "params"}
         ids = []
         for p in group["params"]:
             ids.append(index.setdefault(id(p), len(index)))
         packed["params"] = ids
-        packed["param_names"] = list(group["param_names"])
-        packed["param_names_synthesized"] = list(group["param_names_synthesized"])
+        packed["param_names"] = list(names)
+        packed["param_names_synthesized"] = list(flags)
         packed[META_KEY] = dict(meta)
         groups.append(packed)
-    state = {}
+    state: dict[Any, Any] = {}
     for p, st in opt.state.items():
-        if id(p) in index and st:
+        if not isinstance(p, Tensor):
+            # A key that is not a parameter (set by the caller or a hook) is kept as it is,
+            # as torch.optim keeps it.
+            state[p] = st
+        elif id(p) in index and st:
             state[index[id(p)]] = {k: v for k, v in st.items() if k in STATE_KEYS}
     return {"state": state, "param_groups": groups, META_KEY: meta}
+
+
+def split_state(saved_state: Mapping[Any, Any],
+                saved_groups: list[Any]) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """``(parameter entries, other entries)`` of a checkpoint's ``state``.
+
+    A key that some saved group lists in its ``params`` is a parameter's entry; any other key
+    is a non-parameter entry, loaded as it is (torch.optim's rule), except an int key, which
+    can only be an orphaned parameter id and is left with the parameter entries for the
+    staging to refuse.
+    """
+    ids = {sid for g in saved_groups if isinstance(g, Mapping)
+           for sid in (g.get("params") if isinstance(g.get("params"), list) else ())
+           if _hashable(sid)}
+    params: dict[Any, Any] = {}
+    other: dict[Any, Any] = {}
+    for key, entry in saved_state.items():
+        orphan_id = isinstance(key, int) and not isinstance(key, bool)
+        (params if key in ids or orphan_id else other)[key] = entry
+    return params, other
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------- load
@@ -73,6 +105,8 @@ class Staged:
     groups: list[dict[str, Any]]
     global_step: int
     codebook: Tensor | None
+    #: The checkpoint's ``state`` entries whose keys are not parameters, installed as they are.
+    extra: dict[Any, Any] = field(default_factory=dict)
 
 
 def _check_meta(meta: Any, where: str) -> dict[str, Any]:
@@ -299,14 +333,16 @@ def stage_load(opt: Gefen, sd: Mapping[str, Any]) -> Staged:
                    "the saved value")
 
     saved_groups = _pack_legacy_layout(opt, list(saved_groups))
+    saved_state, extra = split_state(saved_state, saved_groups)
+    live_names = _params.live_names(opt.param_groups)
     for i, (live, saved) in enumerate(zip(opt.param_groups, saved_groups)):
         ids = saved.get("params")
         if not isinstance(ids, list) or len(ids) != len(live["params"]):
             raise _err(f"param_groups[{i}] has {len(ids) if isinstance(ids, list) else ids!r} "
                        f"parameters, the optimizer's group {len(live['params'])}")
     id_map: dict[Any, tuple[Tensor, dict[str, Any], str]] = {}
-    for live, saved in zip(opt.param_groups, saved_groups):
-        for sid, p, name in zip(saved["params"], live["params"], live["param_names"]):
+    for live, saved, (names, _) in zip(opt.param_groups, saved_groups, live_names):
+        for sid, p, name in zip(saved["params"], live["params"], names):
             if sid in id_map:
                 raise _err(f"parameter id {sid!r} appears twice in param_groups")
             id_map[sid] = (p, live, name)
@@ -328,7 +364,8 @@ def stage_load(opt: Gefen, sd: Mapping[str, Any]) -> Staged:
                    "reinterpreted against a relearned codebook)")
 
     new_groups = []
-    for i, (live, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+    for i, (live, saved, (live_group_names, live_flags)) in enumerate(
+            zip(opt.param_groups, saved_groups, live_names)):
         where = f"param_groups[{i}]"
         g = {k: copy.deepcopy(v) for k, v in saved.items()
              if k not in ("params", META_KEY, "param_names", "param_names_synthesized")}
@@ -347,8 +384,8 @@ def stage_load(opt: Gefen, sd: Mapping[str, Any]) -> Staged:
         g["params"] = live["params"]
         names = saved.get("param_names")
         if names is None:
-            g["param_names"] = list(live["param_names"])
-            g["param_names_synthesized"] = list(live["param_names_synthesized"])
+            g["param_names"] = list(live_group_names)
+            g["param_names_synthesized"] = list(live_flags)
         else:
             if not isinstance(names, list) or len(names) != len(live["params"]) or not all(
                     isinstance(n, str) for n in names):
@@ -357,14 +394,23 @@ def stage_load(opt: Gefen, sd: Mapping[str, Any]) -> Staged:
             if not (isinstance(flags, list) and len(flags) == len(names)
                     and all(isinstance(f, bool) for f in flags)):
                 flags = None
-            g["param_names"] = [n.lower() for n in names]
-            # Provenance (§2.2 step 10): live flag if unchanged, else the saved flag, else
-            # synthesized (fail closed).
-            g["param_names_synthesized"] = [
-                live_flag if new == old else (flags[j] if flags is not None else True)
-                for j, (new, old, live_flag) in enumerate(zip(
-                    g["param_names"], live["param_names"], live["param_names_synthesized"]))
-            ]
+            # docs/algorithm.md#checkpoint-format: a name the checkpoint marks synthesized
+            # stands for "no name" (torch.optim saves no param_names then), so the live name
+            # stays; a caller's name replaces it, keeping the live provenance flag when it is
+            # unchanged, else the saved flag, else synthesized (fail closed).
+            merged, provenance = [], []
+            for j, (saved_name, live_name, live_flag) in enumerate(
+                    zip(names, live_group_names, live_flags)):
+                if flags is not None and flags[j]:
+                    merged.append(live_name)
+                    provenance.append(live_flag)
+                    continue
+                saved_name = saved_name.lower()
+                merged.append(saved_name)
+                provenance.append(live_flag if saved_name == live_name
+                                  else (flags[j] if flags is not None else True))
+            g["param_names"] = merged
+            g["param_names_synthesized"] = provenance
         new_groups.append(g)
     all_names = [n for g in new_groups for n in g["param_names"]]
     if len(set(all_names)) != len(all_names):
@@ -372,13 +418,15 @@ def stage_load(opt: Gefen, sd: Mapping[str, Any]) -> Staged:
 
     anchor = opt.param_groups[0]["params"][0].device
     staged_codebook = None if codebook is None else codebook.detach().to(anchor, copy=True)
-    return Staged(new_state, new_groups, int(meta["global_step"]), staged_codebook)
+    return Staged(new_state, new_groups, int(meta["global_step"]), staged_codebook,
+                  extra=dict(extra))
 
 
 def commit(opt: Gefen, staged: Staged) -> None:
     """Install a validated :class:`Staged` load with assignments that cannot fail."""
     state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
     state.update(staged.state)
+    state.update(staged.extra)
     opt.state = state
     for live, new in zip(opt.param_groups, staged.groups):
         live.clear()

@@ -41,19 +41,35 @@ def _err(msg: str) -> ValueError:
     return ValueError(f"GefenMuonHybrid.load_state_dict: {msg}; neither half was changed")
 
 
-class _RoutedState(MutableMapping[Tensor, Any]):
+class _RoutedState(MutableMapping[Any, Any]):
     """``hybrid.state``: reads, writes and deletes go to the child that owns the parameter.
 
-    Ownership is frozen at construction. A tensor the hybrid never registered raises a
-    ``KeyError`` that explains the usual cause (a wrapper swapped the parameters).
+    A parameter belongs to the child whose groups list it (looked up again when a wrapper has
+    rebound a child's ``params``). A key that is not a tensor (torch.optim keeps such entries
+    through ``state_dict``) lives in the first child's state, so the child's checkpoint
+    carries it. A tensor no child lists raises a ``KeyError`` that explains the usual cause.
     """
 
-    def __init__(self, owners: dict[int, Optimizer], children: list[Optimizer]) -> None:
-        self._owners = owners
+    def __init__(self, children: list[Optimizer]) -> None:
         self._children = children
+        self._owners: dict[int, Optimizer] = {}
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self._owners = {id(p): child for child in self._children
+                        for group in child.param_groups for p in group["params"]}
+
+    def _lookup(self, p: Any) -> Optimizer | None:
+        if not isinstance(p, Tensor):
+            return self._children[0]
+        owner = self._owners.get(id(p))
+        if owner is None or not any(q is p for g in owner.param_groups for q in g["params"]):
+            self._refresh()
+            owner = self._owners.get(id(p))
+        return owner
 
     def _owner(self, p: Any) -> Optimizer:
-        owner = self._owners.get(id(p)) if isinstance(p, Tensor) else None
+        owner = self._lookup(p)
         if owner is None:
             raise KeyError(
                 "GefenMuonHybrid.state: this tensor is not a parameter the hybrid was built "
@@ -73,7 +89,7 @@ class _RoutedState(MutableMapping[Tensor, Any]):
         del self._owner(p).state[p]
 
     def __contains__(self, p: object) -> bool:
-        owner = self._owners.get(id(p)) if isinstance(p, Tensor) else None
+        owner = self._lookup(p)
         return owner is not None and p in owner.state
 
     def __iter__(self) -> Iterator[Tensor]:
@@ -262,12 +278,26 @@ class GefenMuonHybrid(Optimizer):
         self.muon = muon
         self.backup = backup
         self.backup_optimizer = backup_optimizer
-        owners: dict[int, Optimizer] = {}
-        for child in self._children():
-            for group in child.param_groups:
-                for p in group["params"]:
-                    owners[id(p)] = child
-        self._state_view = _RoutedState(owners, self._children())
+        self._state_view = _RoutedState(self._children())
+
+    _HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                    "_optimizer_load_state_dict_pre_hooks",
+                    "_optimizer_load_state_dict_post_hooks")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and pickling keep: the two children (each pickled as
+        itself) and the hybrid's own settings. Hooks are dropped, as torch.optim drops them;
+        the routed ``state`` view is rebuilt on the copy."""
+        dropped = (*self._HOOK_TABLES, "_state_view")
+        return {k: v for k, v in self.__dict__.items() if k not in dropped}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for attr in self._HOOK_TABLES:
+            setattr(self, attr, OrderedDict())
+        self._patch_step_function()
+        self._state_view = _RoutedState(self._children())
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
@@ -371,7 +401,9 @@ class GefenMuonHybrid(Optimizer):
             backup._preflight()
             return
         for group in backup.param_groups:
-            names = group.get("param_names") or [None] * len(group["params"])
+            names = group.get("param_names")
+            if not isinstance(names, list) or len(names) != len(group["params"]):
+                names = [None] * len(group["params"])  # absent, or stale after a rebind
             for p, name in zip(group["params"], names, strict=True):
                 g = p.grad
                 if g is None:
@@ -583,6 +615,8 @@ def _stage_adamw(live: Optimizer, sd: Mapping[str, Any]) -> tuple[Any, list[Any]
     given = {id(v) for entry in (sd.get("state") or {}).values() if isinstance(entry, Mapping)
              for v in entry.values() if isinstance(v, Tensor)}
     for st in shadow.state.values():
+        if not isinstance(st, dict):
+            continue  # a non-parameter entry, kept as it is (torch.optim's rule)
         for key, v in list(st.items()):
             if isinstance(v, Tensor) and id(v) in given:
                 st[key] = v.clone()

@@ -95,16 +95,20 @@ def check_muon_options(group: Mapping[str, Any], where: str) -> None:
     """Validate the Muon keys of one complete group (§4.1). ``ns_coefficients`` must already
     be a resolved list of triples whose length is ``ns_steps``."""
     m = group["momentum"]
-    if not _is_real(m) or not 0.0 <= m < 1.0:
+    if not _is_real(m):
+        raise TypeError(f"{where}: momentum must be a float, got {type(m).__name__}")
+    if m < 0.0:
+        raise ValueError(_params.torch_error(f"momentum should be >= 0 but is: {m}", where,
+                                             "momentum must be in [0, 1)"))
+    if not m < 1.0:
         raise ValueError(f"{where}: momentum must be a float in [0, 1), got {m!r}")
     for key in ("nesterov", "fp8_ns", "fp8_ns_compile", "batched_ns", "normuon", "cautious"):
         if not isinstance(group[key], bool):
             raise TypeError(f"{where}: {key} must be a bool, got {group[key]!r}")
     if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-        raise ValueError(
-            f"{where}: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got "
-            f"{group['adjust_lr_fn']!r}"
-        )
+        raise ValueError(_params.torch_error(
+            f"Adjust learning rate function {group['adjust_lr_fn']} is not supported", where,
+            "adjust_lr_fn must be None, 'original' or 'match_rms_adamw'"))
     if group["sharded_mode"] not in SHARDED_MODES:
         raise ValueError(
             f"{where}: sharded_mode must be one of {SHARDED_MODES}, got {group['sharded_mode']!r}"
@@ -132,11 +136,12 @@ def check_muon_options(group: Mapping[str, Any], where: str) -> None:
 def _not_a_matrix_at_construction(where: str, index: int, name: str | None,
                                   shape: tuple[int, ...]) -> ValueError:
     label = f"params[{index}]" + (f" ({name!r})" if name else "")
-    return ValueError(
-        f"{where}: GefenMuon trains 2-D weight matrices only, but {label} has shape {shape}. "
+    return ValueError(_params.torch_error(
+        "Muon only supports 2D parameters whereas we found a parameter with size: "
+        f"{torch.Size(shape)}", where,
+        f"GefenMuon trains 2-D weight matrices only, but {label} has shape {shape}. "
         "Give embeddings, heads, norms, biases and convolution kernels to Gefen or AdamW, "
-        "or use GefenMuonHybrid(model, lr=...), which routes them automatically"
-    )
+        "or use GefenMuonHybrid(model, lr=...), which routes them automatically"))
 
 
 class GefenMuon(Gefen):
@@ -256,6 +261,9 @@ class GefenMuon(Gefen):
         https://arxiv.org/abs/2606.13894.
     """
 
+    _pickled_attrs = Gefen._pickled_attrs + (
+        "_muon_defaults", "_ns_args", "_ns_dtype", "_dense_momentum_for_testing")
+
     def __init__(
         self,
         params: Any,
@@ -290,6 +298,9 @@ class GefenMuon(Gefen):
         cautious: bool = False,
     ) -> None:
         where = "GefenMuon"
+        # torch.optim.Muon's wording for these (Gefen's own checks would word them as AdamW's).
+        _params.check_lr(lr, where, "muon")
+        _params.check_weight_decay(weight_decay, where, "muon")
         schedule = resolve_ns_schedule(
             ns_schedule, ns_coefficients=ns_coefficients, ns_steps=ns_steps)
         muon_defaults: dict[str, Any] = {
@@ -355,6 +366,9 @@ class GefenMuon(Gefen):
         self._resolve_group_ns(group, where)
         for key, default in self._muon_defaults.items():
             group.setdefault(key, default)
+        _params.check_lr(group.get("lr", self.defaults["lr"]), where, "muon")
+        _params.check_weight_decay(group.get("weight_decay", self.defaults["weight_decay"]),
+                                   where, "muon")
         check_muon_options(group, where)
         tensors, names = _params.split_params(raw, where)
         for i, (t, name) in enumerate(zip(tensors, names, strict=True)):
@@ -714,7 +728,7 @@ class GefenMuon(Gefen):
         Together with :meth:`commit_load` this lets a container (the hybrid) validate several
         optimizers before committing any of them.
         """
-        from .checkpoint import CheckpointError, stage_load
+        from .checkpoint import CheckpointError, split_state, stage_load
 
         def err(msg: str) -> CheckpointError:
             return CheckpointError(
@@ -733,9 +747,9 @@ class GefenMuon(Gefen):
                           "GefenMuon checkpoint")
         # Gefen's staging knows no NorMuon keys and requires a second moment with momentum;
         # give it the NorMuon-free entries plus a placeholder second moment, then drop it.
-        gefen_state: dict[Any, Any] = {}
+        param_state, gefen_state = split_state(saved_state, saved_groups)
         normuon: dict[Any, dict[str, Any]] = {}
-        for sid, entry in saved_state.items():
+        for sid, entry in param_state.items():
             if not isinstance(entry, Mapping):
                 gefen_state[sid] = entry
                 continue

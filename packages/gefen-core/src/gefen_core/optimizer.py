@@ -227,7 +227,8 @@ class Gefen(Optimizer):
         # Materialise once: generators must be consumed once, and an empty list is an error.
         params = list(params)
         if not params:
-            raise ValueError(f"{where}: optimizer got an empty parameter list")
+            raise ValueError(_params.torch_error("optimizer got an empty parameter list", where,
+                                                 "pass at least one tensor"))
         # A plain list forms one implicit group whose unnamed tensors are `param_{j}` (§1.4).
         self._building_implicit_group = not isinstance(params[0], dict)
         try:
@@ -255,72 +256,27 @@ class Gefen(Optimizer):
         """Add a parameter group; validated completely before anything is registered.
 
         Raises:
-            TypeError, ValueError, RuntimeError: as the constructor (§1.3), naming the group.
+            TypeError, ValueError, RuntimeError: as the constructor, naming the group.
         """
-        index = len(self.param_groups)
-        where = f"Gefen param group {index}"
-        if not isinstance(param_group, dict):
-            raise TypeError(f"{where}: a param group must be a dict, got {type(param_group)}")
-        if "params" not in param_group:
-            raise ValueError(f"{where}: a param group dict needs a 'params' entry")
-        group = dict(param_group)
-        tensors, raw_names = _params.split_params(group["params"], where)
-        group["params"] = tensors
-        caller_names = group.pop("param_names", None)
-        if caller_names is not None:
-            if len(caller_names) != len(tensors) or any(n is not None for n in raw_names):
-                raise ValueError(f"{where}: param_names must list one name per tensor")
-            raw_names = [str(n).lower() for n in caller_names]
-        group.pop("param_names_synthesized", None)
-        _params.merge_betas(group, where)
-        for key, default in self.defaults.items():
-            group.setdefault(key, default)
-        group["betas"] = _params.check_betas(group["betas"], where)
-        group["period_one_substrings"] = _params.normalize_substrings(
-            group["period_one_substrings"], where)
-        _params.check_group_options(group, where)
-        if group["capturable"] and self._codebook_refresh_every > 0:
-            raise ValueError(f"{where}: capturable=True is incompatible with codebook refresh")
-        if "name" in group:
-            if not isinstance(group["name"], str):
-                raise TypeError(f"{where}: a group 'name' must be a str, got {group['name']!r}")
-            group["name"] = group["name"].lower()
-
-        seen: set[int] = set()
-        for t in tensors:
-            if id(t) in seen:
-                raise ValueError(
-                    f"{where}: a tensor appears twice in this group (tied parameters must be "
-                    "passed once; model.parameters() already deduplicates them)"
-                )
-            seen.add(id(t))
-        registered: set[str] = set()
-        registered_count = 0
-        for g in self.param_groups:
-            registered.update(g["param_names"])
-            registered_count += len(g["params"])
-            if any(id(p) in seen for p in g["params"]):
-                raise ValueError(
-                    f"{where}: some parameters appear in more than one parameter group")
-        implicit = getattr(self, "_building_implicit_group", False)
-        names, synthesized = _params.assign_names(
-            raw_names, group_index=index, group_name=group.get("name"),
-            implicit=implicit, registered=registered, registered_count=registered_count,
-        )
-        if group["fused"] is True:
-            for t, name in zip(tensors, names):
-                why = _dispatch.fused_blocker(t)
-                if why is not None:
-                    raise RuntimeError(
-                        f"{where}: fused=True cannot be honoured for parameter {name!r}: {why}. "
-                        "Pass fused=None to take the fastest available path per tensor."
-                    )
-        group["param_names"] = names
-        group["param_names_synthesized"] = synthesized
+        group = _params.new_group(
+            param_group, defaults=self.defaults, groups=self.param_groups,
+            implicit=getattr(self, "_building_implicit_group", False),
+            refresh_every=self._codebook_refresh_every)
         self.param_groups.append(group)
         self._steady = None
 
+    def _sync_param_names(self) -> None:
+        """Give the tensors of a group whose ``params`` a wrapper rebound names of their own
+        (:func:`gefen_core._params.live_names`), so every tensor is stepped and checkpointed."""
+        groups = self.param_groups
+        if all(len(g.get("param_names", ())) == len(g["params"])
+               == len(g.get("param_names_synthesized", ())) for g in groups):
+            return
+        for group, (names, flags) in zip(groups, _params.live_names(groups)):
+            group["param_names"], group["param_names_synthesized"] = names, flags
+
     def _named_params(self) -> Iterable[tuple[dict[str, Any], Tensor, str]]:
+        self._sync_param_names()
         for group in self.param_groups:
             for p, name in zip(group["params"], group["param_names"]):
                 yield group, p, name
@@ -523,8 +479,9 @@ class Gefen(Optimizer):
                 continue
             if g.layout != torch.strided or g.is_sparse:
                 raise RuntimeError(
-                    f"Gefen: parameter {name!r} has a {g.layout} gradient; Gefen needs dense "
-                    "gradients (use torch.optim.SparseAdam or densify the gradient)")
+                    f"{type(self).__name__} does not support sparse gradients, please consider "
+                    f"SparseAdam instead (parameter {name!r} has a {g.layout} gradient; "
+                    "densify it)")
             if g.is_complex():
                 raise RuntimeError(f"Gefen: parameter {name!r} has a complex gradient ({g.dtype})")
             if g.shape != p.shape:
@@ -548,9 +505,20 @@ class Gefen(Optimizer):
         hit = self._lr_cache.get(id(lr))
         if hit is not None and hit[0]() is lr and hit[1] == lr._version:
             return hit[2]
+        if lr.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "Gefen: a tensor hyperparameter (lr of a group without capturable, or betas) "
+                "changed since the last eager step and cannot be read on the host while a CUDA "
+                "graph is being captured; take one eager step after changing it, then capture")
         value = float(lr.detach().reshape(()).item())
         self._lr_cache[id(lr)] = (weakref.ref(lr), lr._version, value)
         return value
+
+    def _host_betas(self, group: dict[str, Any]) -> tuple[float, float]:
+        """The group's ``betas`` as floats: tensor betas are read like a tensor lr (once per
+        in-place change, :meth:`_host_lr`), because the kernels take them as scalars."""
+        beta1, beta2 = group["betas"]
+        return self._host_lr(beta1), self._host_lr(beta2)
 
     def _device_step(self, device: torch.device) -> Tensor:
         t = self._device_global_step.get(device)
@@ -691,7 +659,8 @@ class Gefen(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._steady is not None:
-            if self._steady.run(self):
+            # The recorded launches take betas as numbers: tensor betas take the full step.
+            if not self._has_tensor_betas() and self._steady.run(self):
                 return loss
             self._steady = None
         entries = self._preflight()
@@ -745,7 +714,7 @@ class Gefen(Optimizer):
         if self._reduces_factored_stats and self._codebook is not None:
             self._attach_factored_stats(inits)
         for group, by_path in inits:
-            beta1, beta2 = group["betas"]
+            beta1, beta2 = self._host_betas(group)
             lr = group["lr"] if group["capturable"] else self._host_lr(group["lr"])
             for path, lists in by_path.items():
                 # Lists are split by device only through the codebook copy they share.
@@ -767,8 +736,12 @@ class Gefen(Optimizer):
         for t in self._device_global_step.values():
             t.add_(1)
         self._global_step += 1
-        self._steady = _steady_step.build(self, inits, live, stepped, _split_by_device)
+        self._steady = None if self._has_tensor_betas() \
+            else _steady_step.build(self, inits, live, stepped, _split_by_device)
         return loss
+
+    def _has_tensor_betas(self) -> bool:
+        return any(isinstance(g["betas"][0], Tensor) for g in self.param_groups)
 
     def _attach_factored_stats(
         self, inits: list[tuple[dict[str, Any], dict[str, dict[str, list[Any]]]]],
@@ -783,7 +756,7 @@ class Gefen(Optimizer):
                     if p is None:
                         continue
                     entries.append((p, lists["grads"][i], lists["rows"][i], lists["cols"][i],
-                                    group["betas"][1], path == "fused"))
+                                    self._host_betas(group)[1], path == "fused"))
                     where.append((lists, i, int(p.shape[0])))
         stats = self._factored_statistics(entries)
         if len(stats) != len(entries):
@@ -804,7 +777,7 @@ class Gefen(Optimizer):
         new = self._learn(live, periods)
         remapped = {
             p: self._remap_codes(st["exp_avg_codes"], self._codebook, new)
-            for p, st in self.state.items() if "exp_avg_codes" in st
+            for p, st in self.state.items() if isinstance(p, Tensor) and "exp_avg_codes" in st
         }
         for p, codes in remapped.items():
             self.state[p]["exp_avg_codes"] = codes
@@ -858,15 +831,17 @@ class Gefen(Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    #: Attributes that ``copy.deepcopy`` and pickling keep besides torch's ``defaults``,
+    #: ``state`` and ``param_groups`` (hooks are dropped, as torch.optim drops them; runtime
+    #: caches are rebuilt). A subclass with attributes of its own extends the tuple.
+    _pickled_attrs: tuple[str, ...] = (
+        "_global_step", "_codebook", "_deterministic", "_codebook_refresh_every")
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         if self._device_global_step:
             self._sync_global_step()
-        state.update(
-            _global_step=self._global_step, _codebook=self._codebook,
-            _deterministic=self._deterministic,
-            _codebook_refresh_every=self._codebook_refresh_every,
-        )
+        state.update({k: getattr(self, k) for k in self._pickled_attrs if hasattr(self, k)})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -72,7 +72,7 @@ def test_valid_inputs_construct() -> None:
 
 def test_group_level_validation_names_the_group() -> None:
     a, b = _params()
-    with pytest.raises(ValueError, match="param group 1.*learning rate"):
+    with pytest.raises(ValueError, match=r"^Invalid learning rate: -1\.0 \(Gefen param group 1"):
         Gefen([{"params": [a]}, {"params": [b], "lr": -1.0}])
 
 

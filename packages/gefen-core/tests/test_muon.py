@@ -164,8 +164,8 @@ def matrix():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"lr": -1.0}, ValueError, "learning rate"),
-        ({"lr": torch.tensor([1.0, 2.0])}, ValueError, "one element"),
+        ({"lr": -1.0}, ValueError, r"^Learning rate should be >= 0 but is: -1\.0"),
+        ({"lr": torch.tensor([1.0, 2.0])}, ValueError, "^Tensor lr must be 1-element"),
         ({"momentum": 1.0}, ValueError, "momentum"),
         ({"momentum": -0.1}, ValueError, "momentum"),
         ({"eps": 0.0}, ValueError, "eps"),

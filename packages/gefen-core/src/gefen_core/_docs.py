@@ -52,3 +52,11 @@ NAN_POLICY = r"""Non-finite gradients (decision O9): on the step that would lear
             parameter is skipped for the step). Once state exists, non-finite gradients are not
             guarded, exactly as in ``torch.optim.AdamW``; every path applies the op-layer rule
             recorded in ``docs/decisions.md``."""
+
+
+def interpolate(doc: str, **parts: str) -> str:
+    """``doc`` with each ``{key}`` replaced by ``parts[key]`` (``str.format`` would trip over
+    the braces of a docstring's LaTeX block)."""
+    for key, text in parts.items():
+        doc = doc.replace("{" + key + "}", text)
+    return doc

@@ -149,7 +149,14 @@ class GefenMuonHybrid(Optimizer):
             an item that is not a ``(name, tensor)`` pair.
         ValueError: no parameters; only zero-size parameters (ZeRO-3 placeholders: the Muon
             family cannot train flat partitions); an unknown ``backup_optimizer``; a split that
-            is not a partition of the model's trainable parameters; any child's own errors.
+            is not a partition of the model's trainable parameters; any child's own errors
+            (with torch's texts: Muon's for the Muon options, AdamW's for the backup's).
+
+    Differences from torch.optim (each with its reason in
+    docs/internals/torch-optim-deviations.md): the checkpoint nests the children's
+    (``{"muon": ..., "backup": ...}``); ``param_groups`` is the children's groups (cannot be
+    assigned) and ``add_param_group`` is refused; entries of ``state`` whose key is not a
+    parameter live in the first child's state; the children's own differences apply.
     """
 
     #: The classes of the two Gefen-family children. ``gefen_dist.ShardedGefenMuonHybrid``

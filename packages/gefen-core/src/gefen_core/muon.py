@@ -252,6 +252,14 @@ class GefenMuon(Gefen):
             At ``step()``: a parameter that is no longer 2-D (a wrapper such as DeepSpeed ZeRO
             flattened it) or a DTensor parameter (use ``gefen_dist.ShardedGefenMuon``).
 
+        Where ``torch.optim.Muon`` refuses the same input, the exception type is Muon's and the
+        message starts with Muon's text (``Learning rate should be >= 0 but is: -1.0 (...)``).
+
+    Differences from torch.optim.Muon (each with its reason in
+    docs/internals/torch-optim-deviations.md): quantized momentum (no ``momentum_buffer``);
+    ``momentum`` must be < 1 and ``eps`` > 0; complex parameters are refused at construction
+    (Muon raises at ``step()``); besides those, Gefen's differences from AdamW apply.
+
     References:
         Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024,
         https://kellerjordan.github.io/posts/muon/. Liu et al., "Muon is Scalable for LLM

@@ -99,7 +99,9 @@ class Gefen(Optimizer):
             carry a ``name`` and any extra keys). A single tensor is accepted too.
         lr (float or Tensor, optional): learning rate :math:`\gamma`, >= 0; a tensor must have
             one element and is read without a host sync when ``capturable`` (default: 1e-3)
-        betas (tuple[float, float], optional): :math:`(\beta_1, \beta_2)`, each in [0, 1)
+        betas (tuple[float, float] or tuple[Tensor, Tensor], optional):
+            :math:`(\beta_1, \beta_2)`, each in [0, 1): two numbers, or two 1-element
+            tensors as AdamW takes them, read on the host once per in-place change
             (default: (0.9, 0.999))
         eps (float, optional): added to the bias-corrected :math:`\sqrt{v}`, finite and > 0
             (default: 1e-8)
@@ -157,6 +159,17 @@ class Gefen(Optimizer):
             ``foreach=True``; an explicit ``fused=True`` that some parameter cannot take
             (CPU, fp64, no Triton).
 
+        Where ``torch.optim.AdamW`` refuses the same input, the exception type is AdamW's and
+        the message starts with AdamW's text (``Invalid learning rate: -1.0 (...)``).
+
+    Differences from torch.optim.AdamW (each with its reason in
+    docs/internals/torch-optim-deviations.md): quantized state (no ``exp_avg``); ``amsgrad``,
+    ``differentiable``, complex parameters, ``eps = 0``, non-finite hyperparameters and a
+    parameter listed twice in a group are refused; a bare tensor, mixed named and unnamed
+    parameters and tensor ``lr``/``betas`` with ``foreach=True`` are accepted; every tensor
+    is named; checkpoints load all-or-nothing; a captured CUDA graph keeps tensor betas'
+    values at capture.
+
     {nan_policy}
 
     References:
@@ -212,8 +225,8 @@ class Gefen(Optimizer):
             force_2d_period_one=force_2d_period_one,
             period_one_substrings=_params.normalize_substrings(period_one_substrings, where),
         )
-        defaults["betas"] = _params.check_betas(betas, where)
         _params.check_group_options(defaults, where)
+        defaults["betas"] = _params.check_betas(betas, where)
         if isinstance(lr, Tensor):
             defaults["lr"] = lr  # kept as the caller's tensor, like torch.optim
 
@@ -869,14 +882,7 @@ def _split_by_device(lists: dict[str, list[Any]]) -> list[dict[str, list[Any]]]:
     return list(devices.values())
 
 
-def _interpolate(doc: str, **parts: str) -> str:
-    # str.format would trip over the braces of the LaTeX block.
-    for key, text in parts.items():
-        doc = doc.replace("{" + key + "}", text)
-    return doc
-
-
-Gefen.__doc__ = _interpolate(
+Gefen.__doc__ = _docs.interpolate(
     Gefen.__doc__ or "",
     maximize=_docs.MAXIMIZE_DOC, foreach=_docs.FOREACH_DOC, capturable=_docs.CAPTURABLE_DOC,
     differentiable=_docs.DIFFERENTIABLE_DOC, fused=_docs.FUSED_DOC,

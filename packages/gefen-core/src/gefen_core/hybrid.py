@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
@@ -52,21 +53,22 @@ class _RoutedState(MutableMapping[Any, Any]):
 
     def __init__(self, children: list[Optimizer]) -> None:
         self._children = children
-        self._owners: dict[int, Optimizer] = {}
+        # id -> (the tensor, weakly: an id can be reused once a tensor is freed; its owner).
+        self._owners: dict[int, tuple[weakref.ref[Tensor], Optimizer]] = {}
         self._refresh()
 
     def _refresh(self) -> None:
-        self._owners = {id(p): child for child in self._children
+        self._owners = {id(p): (weakref.ref(p), child) for child in self._children
                         for group in child.param_groups for p in group["params"]}
 
     def _lookup(self, p: Any) -> Optimizer | None:
         if not isinstance(p, Tensor):
             return self._children[0]
-        owner = self._owners.get(id(p))
-        if owner is None or not any(q is p for g in owner.param_groups for q in g["params"]):
-            self._refresh()
-            owner = self._owners.get(id(p))
-        return owner
+        hit = self._owners.get(id(p))
+        if hit is None or hit[0]() is not p:
+            self._refresh()  # a wrapper rebound a child's params: look again
+            hit = self._owners.get(id(p))
+        return None if hit is None or hit[0]() is not p else hit[1]
 
     def _owner(self, p: Any) -> Optimizer:
         owner = self._lookup(p)

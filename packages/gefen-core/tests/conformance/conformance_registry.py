@@ -24,9 +24,14 @@ from gefen_core import Gefen, GefenMuon, GefenMuonHybrid
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
 ]
 
 
@@ -97,28 +102,53 @@ class ConformanceInfo:
         torch.manual_seed(0)
         return self.model_cls().to(device)
 
-    def build(self, model_or_params: Any, *, named: bool = True, **overrides: Any,
-              ) -> torch.optim.Optimizer:
+    def build(
+        self,
+        model_or_params: Any,
+        *,
+        named: bool = True,
+        **overrides: Any,
+    ) -> torch.optim.Optimizer:
         """The optimizer over ``model_or_params`` (a model: its parameters, named or not)."""
         params = model_or_params
         if isinstance(params, nn.Module):
-            params = list(params.named_parameters()) if named or self.named_only \
+            params = (
+                list(params.named_parameters())
+                if named or self.named_only
                 else list(params.parameters())
+            )
         options = {"lr": 1e-2, **copy.deepcopy(self.kwargs), **overrides}
         return self.optim_cls(params, **options)
 
 
 INFOS = [
-    ConformanceInfo("Gefen-block", Gefen, _Mlp, {"factored_v_2d": False},
-                    reference_cls=torch.optim.AdamW),
-    ConformanceInfo("Gefen-factored", Gefen, _Mlp, {"factored_v_2d": True},
-                    reference_cls=torch.optim.AdamW),
-    ConformanceInfo("GefenMuon", GefenMuon, _Matrices,
-                    reference_cls=getattr(torch.optim, "Muon", None), accepts_betas=False),
-    ConformanceInfo("GefenMuonHybrid-gefen", GefenMuonHybrid, _Lm, {"backup_optimizer": "gefen"},
-                    named_only=True),
-    ConformanceInfo("GefenMuonHybrid-adamw", GefenMuonHybrid, _Lm, {"backup_optimizer": "adamw"},
-                    named_only=True),
+    ConformanceInfo(
+        "Gefen-block", Gefen, _Mlp, {"factored_v_2d": False}, reference_cls=torch.optim.AdamW
+    ),
+    ConformanceInfo(
+        "Gefen-factored", Gefen, _Mlp, {"factored_v_2d": True}, reference_cls=torch.optim.AdamW
+    ),
+    ConformanceInfo(
+        "GefenMuon",
+        GefenMuon,
+        _Matrices,
+        reference_cls=getattr(torch.optim, "Muon", None),
+        accepts_betas=False,
+    ),
+    ConformanceInfo(
+        "GefenMuonHybrid-gefen",
+        GefenMuonHybrid,
+        _Lm,
+        {"backup_optimizer": "gefen"},
+        named_only=True,
+    ),
+    ConformanceInfo(
+        "GefenMuonHybrid-adamw",
+        GefenMuonHybrid,
+        _Lm,
+        {"backup_optimizer": "adamw"},
+        named_only=True,
+    ),
 ]
 INFO_PARAMS = [pytest.param(info, id=info.id) for info in INFOS]
 
@@ -130,8 +160,12 @@ def feed(model: nn.Module, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range,
-          before_step: Callable[[int], None] | None = None) -> None:
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: range,
+    before_step: Callable[[int], None] | None = None,
+) -> None:
     for step in steps:
         feed(model, step)
         if before_step is not None:

@@ -79,105 +79,265 @@ def _in_two_groups(device: str) -> list[dict[str, Any]]:
 ADAMW_CASES = [
     Case("negative lr", {"lr": -1e-3}, ValueError, r"^Invalid learning rate: -0\.001"),
     Case("nan lr", {"lr": float("nan")}, ValueError, r"^Invalid learning rate: nan"),
-    Case("2-element tensor lr", {"lr": torch.tensor([1e-3, 1e-3])}, ValueError,
-         r"^Tensor lr must be 1-element"),
+    Case(
+        "2-element tensor lr",
+        {"lr": torch.tensor([1e-3, 1e-3])},
+        ValueError,
+        r"^Tensor lr must be 1-element",
+    ),
     Case("negative eps", {"eps": -1e-8}, ValueError, r"^Invalid epsilon value: -1e-08"),
-    Case("beta1 = 1", {"betas": (1.0, 0.999)}, ValueError,
-         r"^Invalid beta parameter at index 0: 1\.0"),
-    Case("negative beta2", {"betas": (0.9, -0.1)}, ValueError,
-         r"^Invalid beta parameter at index 1: -0\.1"),
-    Case("tensor beta1 = 1", {"betas": (torch.tensor(1.0), torch.tensor(0.999))}, ValueError,
-         r"^Invalid beta parameter at index 0: 1\.0"),
-    Case("float and tensor betas", {"betas": (0.9, torch.tensor(0.99))}, ValueError,
-         r"^betas must be either both floats or both Tensors"),
-    Case("tensor and float betas", {"betas": (torch.tensor(0.9), 0.99)}, ValueError,
-         r"^betas must be either both floats or both Tensors"),
-    Case("negative weight_decay", {"weight_decay": -1}, ValueError,
-         r"^Invalid weight_decay value: -1"),
-    Case("fused and foreach", {"fused": True, "foreach": True}, RuntimeError,
-         r"^`fused` and `foreach` cannot be `True` together\."),
-    Case("fused and differentiable", {"fused": True, "differentiable": True}, RuntimeError,
-         r"^`fused` does not support `differentiable`"),
-    Case("empty params", {}, ValueError, r"^optimizer got an empty parameter list",
-         params=lambda d: []),
-    Case("non-tensor param", {}, TypeError,
-         r"^optimizer can only optimize Tensors, but one of the params is float",
-         params=lambda d: [1.0]),
-    Case("non-leaf param", {}, ValueError, r"^can't optimize a non-leaf Tensor",
-         params=lambda d: [torch.randn(3, 2, device=d, requires_grad=True) * 2]),
-    Case("param in two groups", {}, ValueError,
-         r"^some parameters appear in more than one parameter group", params=_in_two_groups),
-    Case("set of params", {}, TypeError,
-         r"^optimizer parameters need to be organized in ordered collections",
-         params=lambda d: [{"params": {_matrix(d)}}]),
-    Case("group not a dict", {}, TypeError, r"^param_group must be a dict, but got",
-         params=lambda d: [{"params": [_matrix(d)]}, [_matrix(d)]]),
-    Case("sparse gradient", {}, RuntimeError,
-         r"does not support sparse gradients, please consider SparseAdam instead",
-         params=_sparse_grad, at_step=True),
+    Case(
+        "beta1 = 1",
+        {"betas": (1.0, 0.999)},
+        ValueError,
+        r"^Invalid beta parameter at index 0: 1\.0",
+    ),
+    Case(
+        "negative beta2",
+        {"betas": (0.9, -0.1)},
+        ValueError,
+        r"^Invalid beta parameter at index 1: -0\.1",
+    ),
+    Case(
+        "tensor beta1 = 1",
+        {"betas": (torch.tensor(1.0), torch.tensor(0.999))},
+        ValueError,
+        r"^Invalid beta parameter at index 0: 1\.0",
+    ),
+    Case(
+        "float and tensor betas",
+        {"betas": (0.9, torch.tensor(0.99))},
+        ValueError,
+        r"^betas must be either both floats or both Tensors",
+    ),
+    Case(
+        "tensor and float betas",
+        {"betas": (torch.tensor(0.9), 0.99)},
+        ValueError,
+        r"^betas must be either both floats or both Tensors",
+    ),
+    Case(
+        "negative weight_decay",
+        {"weight_decay": -1},
+        ValueError,
+        r"^Invalid weight_decay value: -1",
+    ),
+    Case(
+        "fused and foreach",
+        {"fused": True, "foreach": True},
+        RuntimeError,
+        r"^`fused` and `foreach` cannot be `True` together\.",
+    ),
+    Case(
+        "fused and differentiable",
+        {"fused": True, "differentiable": True},
+        RuntimeError,
+        r"^`fused` does not support `differentiable`",
+    ),
+    Case(
+        "empty params",
+        {},
+        ValueError,
+        r"^optimizer got an empty parameter list",
+        params=lambda d: [],
+    ),
+    Case(
+        "non-tensor param",
+        {},
+        TypeError,
+        r"^optimizer can only optimize Tensors, but one of the params is float",
+        params=lambda d: [1.0],
+    ),
+    Case(
+        "non-leaf param",
+        {},
+        ValueError,
+        r"^can't optimize a non-leaf Tensor",
+        params=lambda d: [torch.randn(3, 2, device=d, requires_grad=True) * 2],
+    ),
+    Case(
+        "param in two groups",
+        {},
+        ValueError,
+        r"^some parameters appear in more than one parameter group",
+        params=_in_two_groups,
+    ),
+    Case(
+        "set of params",
+        {},
+        TypeError,
+        r"^optimizer parameters need to be organized in ordered collections",
+        params=lambda d: [{"params": {_matrix(d)}}],
+    ),
+    Case(
+        "group not a dict",
+        {},
+        TypeError,
+        r"^param_group must be a dict, but got",
+        params=lambda d: [{"params": [_matrix(d)]}, [_matrix(d)]],
+    ),
+    Case(
+        "sparse gradient",
+        {},
+        RuntimeError,
+        r"does not support sparse gradients, please consider SparseAdam instead",
+        params=_sparse_grad,
+        at_step=True,
+    ),
     # Gefen refuses on purpose (docs/internals/torch-optim-deviations.md).
     Case("zero eps", {"eps": 0.0}, ValueError, r"^Invalid epsilon value: 0\.0", torch="accepts"),
-    Case("infinite lr", {"lr": float("inf")}, ValueError, r"^Invalid learning rate: inf",
-         torch="accepts"),
-    Case("infinite weight_decay", {"weight_decay": float("inf")}, ValueError,
-         r"^Invalid weight_decay value: inf", torch="accepts"),
+    Case(
+        "infinite lr",
+        {"lr": float("inf")},
+        ValueError,
+        r"^Invalid learning rate: inf",
+        torch="accepts",
+    ),
+    Case(
+        "infinite weight_decay",
+        {"weight_decay": float("inf")},
+        ValueError,
+        r"^Invalid weight_decay value: inf",
+        torch="accepts",
+    ),
     Case("amsgrad", {"amsgrad": True}, RuntimeError, r"amsgrad=True", torch="accepts"),
-    Case("differentiable", {"differentiable": True}, RuntimeError, r"differentiable=True",
-         torch="accepts"),
+    Case(
+        "differentiable",
+        {"differentiable": True},
+        RuntimeError,
+        r"differentiable=True",
+        torch="accepts",
+    ),
     Case("complex param", {}, ValueError, r"is complex", params=_complex, torch="accepts"),
-    Case("param twice in a group", {}, ValueError, r"appears twice in this group",
-         params=_twice, torch="accepts"),
-    Case("multi-element tensor beta", {"betas": (torch.tensor([0.9, 0.9]), torch.tensor(0.99))},
-         ValueError, r"^Tensor betas\[0\] must be 1-element", torch=None),
-    Case("group without params", {}, ValueError, r"needs a 'params' entry",
-         params=lambda d: [{"lr": 1.0}], torch=None),
+    Case(
+        "param twice in a group",
+        {},
+        ValueError,
+        r"appears twice in this group",
+        params=_twice,
+        torch="accepts",
+    ),
+    Case(
+        "multi-element tensor beta",
+        {"betas": (torch.tensor([0.9, 0.9]), torch.tensor(0.99))},
+        ValueError,
+        r"^Tensor betas\[0\] must be 1-element",
+        torch=None,
+    ),
+    Case(
+        "group without params",
+        {},
+        ValueError,
+        r"needs a 'params' entry",
+        params=lambda d: [{"lr": 1.0}],
+        torch=None,
+    ),
     # Gefen accepts on purpose.
     Case("a bare tensor", {}, None, params=lambda d: _matrix(d), torch="refuses"),
-    Case("named and unnamed params", {}, None,
-         params=lambda d: [("w", _matrix(d)), _matrix(d)], torch="refuses"),
-    Case("groups with and without names", {}, None,
-         params=lambda d: [{"params": [_matrix(d)]}, {"params": [("w", _matrix(d))]}],
-         torch="refuses"),
-    Case("tensor lr with foreach", {"lr": torch.tensor(1e-3), "foreach": True}, None,
-         torch="refuses"),
-    Case("tensor betas with foreach",
-         {"betas": (torch.tensor(0.9), torch.tensor(0.99)), "foreach": True}, None,
-         torch="refuses"),
+    Case(
+        "named and unnamed params",
+        {},
+        None,
+        params=lambda d: [("w", _matrix(d)), _matrix(d)],
+        torch="refuses",
+    ),
+    Case(
+        "groups with and without names",
+        {},
+        None,
+        params=lambda d: [{"params": [_matrix(d)]}, {"params": [("w", _matrix(d))]}],
+        torch="refuses",
+    ),
+    Case(
+        "tensor lr with foreach", {"lr": torch.tensor(1e-3), "foreach": True}, None, torch="refuses"
+    ),
+    Case(
+        "tensor betas with foreach",
+        {"betas": (torch.tensor(0.9), torch.tensor(0.99)), "foreach": True},
+        None,
+        torch="refuses",
+    ),
     Case("int betas", {"betas": (0, 0.99)}, None, torch="refuses"),
 ]
 
 MUON_CASES = [
     Case("negative lr", {"lr": -1.0}, ValueError, r"^Learning rate should be >= 0 but is: -1\.0"),
-    Case("2-element tensor lr", {"lr": torch.tensor([1e-3, 1e-3])}, ValueError,
-         r"^Tensor lr must be 1-element"),
-    Case("negative momentum", {"momentum": -0.1}, ValueError,
-         r"^momentum should be >= 0 but is: -0\.1"),
-    Case("negative weight_decay", {"weight_decay": -0.1}, ValueError,
-         r"^weight decay should be >= 0 but is: -0\.1"),
-    Case("unknown adjust_lr_fn", {"adjust_lr_fn": "arbitrary"}, ValueError,
-         r"^Adjust learning rate function arbitrary is not supported"),
-    Case("3-D param", {}, ValueError,
-         r"^Muon only supports 2D parameters whereas we found a parameter with size: "
-         r"torch\.Size\(\[2, 3, 4\]\)",
-         params=lambda d: [nn.Parameter(torch.randn(2, 3, 4, device=d))]),
-    Case("sparse gradient", {}, RuntimeError, r"Muon does not support sparse gradients",
-         params=_sparse_grad, at_step=True),
+    Case(
+        "2-element tensor lr",
+        {"lr": torch.tensor([1e-3, 1e-3])},
+        ValueError,
+        r"^Tensor lr must be 1-element",
+    ),
+    Case(
+        "negative momentum",
+        {"momentum": -0.1},
+        ValueError,
+        r"^momentum should be >= 0 but is: -0\.1",
+    ),
+    Case(
+        "negative weight_decay",
+        {"weight_decay": -0.1},
+        ValueError,
+        r"^weight decay should be >= 0 but is: -0\.1",
+    ),
+    Case(
+        "unknown adjust_lr_fn",
+        {"adjust_lr_fn": "arbitrary"},
+        ValueError,
+        r"^Adjust learning rate function arbitrary is not supported",
+    ),
+    Case(
+        "3-D param",
+        {},
+        ValueError,
+        r"^Muon only supports 2D parameters whereas we found a parameter with size: "
+        r"torch\.Size\(\[2, 3, 4\]\)",
+        params=lambda d: [nn.Parameter(torch.randn(2, 3, 4, device=d))],
+    ),
+    Case(
+        "sparse gradient",
+        {},
+        RuntimeError,
+        r"Muon does not support sparse gradients",
+        params=_sparse_grad,
+        at_step=True,
+    ),
     # GefenMuon refuses on purpose: its codes are a fraction of the momentum in [0, 1).
-    Case("momentum 1", {"momentum": 1.0}, ValueError, r"momentum must be a float in \[0, 1\)",
-         torch="accepts"),
+    Case(
+        "momentum 1",
+        {"momentum": 1.0},
+        ValueError,
+        r"momentum must be a float in \[0, 1\)",
+        torch="accepts",
+    ),
 ]
 
 HYBRID_CASES = [
-    Case("negative lr", {"lr": -1.0}, ValueError, r"^Learning rate should be >= 0 but is: -1\.0",
-         torch=None),
-    Case("beta1 = 1", {"betas": (1.0, 0.999)}, ValueError,
-         r"^Invalid beta parameter at index 0: 1\.0", torch=None),
-    Case("float and tensor betas", {"betas": (0.9, torch.tensor(0.99))}, ValueError,
-         r"^betas must be either both floats or both Tensors", torch=None),
-    Case("negative eps", {"eps": -1.0}, ValueError, r"^Invalid epsilon value: -1\.0",
-         torch=None),
-    Case("unknown backup", {"backup_optimizer": "sgd"}, ValueError, r"backup_optimizer",
-         torch=None),
+    Case(
+        "negative lr",
+        {"lr": -1.0},
+        ValueError,
+        r"^Learning rate should be >= 0 but is: -1\.0",
+        torch=None,
+    ),
+    Case(
+        "beta1 = 1",
+        {"betas": (1.0, 0.999)},
+        ValueError,
+        r"^Invalid beta parameter at index 0: 1\.0",
+        torch=None,
+    ),
+    Case(
+        "float and tensor betas",
+        {"betas": (0.9, torch.tensor(0.99))},
+        ValueError,
+        r"^betas must be either both floats or both Tensors",
+        torch=None,
+    ),
+    Case("negative eps", {"eps": -1.0}, ValueError, r"^Invalid epsilon value: -1\.0", torch=None),
+    Case(
+        "unknown backup", {"backup_optimizer": "sgd"}, ValueError, r"backup_optimizer", torch=None
+    ),
 ]
 
 
@@ -189,21 +349,30 @@ def _cases() -> list[Any]:
     out = []
     for info in INFOS:
         if info.optim_cls is GefenMuonHybrid:
-            table = [Case(c.desc, c.kwargs, c.error, c.regex, _hybrid_params, None)
-                     for c in HYBRID_CASES]
+            table = [
+                Case(c.desc, c.kwargs, c.error, c.regex, _hybrid_params, None) for c in HYBRID_CASES
+            ]
         elif info.accepts_betas:
             table = ADAMW_CASES
         else:
             table = MUON_CASES
         for case in table:
             for device in DEVICES:
-                out.append(pytest.param(info, case, device.values[0], marks=device.marks,
-                                        id=f"{info.id}-{case.desc}-{device.id}"))
+                out.append(
+                    pytest.param(
+                        info,
+                        case,
+                        device.values[0],
+                        marks=device.marks,
+                        id=f"{info.id}-{case.desc}-{device.id}",
+                    )
+                )
     return out
 
 
-def _construct_and_step(cls: type[torch.optim.Optimizer], params: Any, kwargs: dict[str, Any],
-                        at_step: bool) -> None:
+def _construct_and_step(
+    cls: type[torch.optim.Optimizer], params: Any, kwargs: dict[str, Any], at_step: bool
+) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns on some accepted inputs (duplicates)
         opt = cls(params, **kwargs)
@@ -219,8 +388,7 @@ def _build(info: ConformanceInfo, case: Case, device: str) -> Any:
 
 
 @pytest.mark.parametrize(("info", "case", "device"), _cases())
-def test_invalid_input_raises_torchs_error(info: ConformanceInfo, case: Case,
-                                           device: str) -> None:
+def test_invalid_input_raises_torchs_error(info: ConformanceInfo, case: Case, device: str) -> None:
     params, kwargs = _build(info, case, device)
     if case.error is None:
         _construct_and_step(info.optim_cls, params, kwargs, case.at_step)

@@ -41,8 +41,9 @@ def _through_torch_save(sd: dict) -> dict:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", INFO_PARAMS)
-def test_round_trip_through_torch_save_resumes_bit_identically(info: ConformanceInfo,
-                                                               device: str) -> None:
+def test_round_trip_through_torch_save_resumes_bit_identically(
+    info: ConformanceInfo, device: str
+) -> None:
     model = info.model(device)
     opt = info.build(model)
     train(model, opt, range(3))
@@ -62,7 +63,8 @@ def test_round_trip_through_torch_save_resumes_bit_identically(info: Conformance
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", INFO_PARAMS)
 def test_checkpoint_hooks_run_in_torch_order_and_their_results_are_used(
-        info: ConformanceInfo, device: str) -> None:
+    info: ConformanceInfo, device: str
+) -> None:
     model = info.model(device)
     opt = info.build(model)
     train(model, opt, range(2))
@@ -111,8 +113,9 @@ def test_checkpoint_hooks_run_in_torch_order_and_their_results_are_used(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", INFO_PARAMS)
-def test_non_parameter_state_keys_survive_state_dict_and_load(info: ConformanceInfo,
-                                                              device: str) -> None:
+def test_non_parameter_state_keys_survive_state_dict_and_load(
+    info: ConformanceInfo, device: str
+) -> None:
     model = info.model(device)
     opt = info.build(model)
     train(model, opt, range(2))
@@ -135,8 +138,9 @@ def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", UNNAMED)
-def test_unnamed_checkpoint_into_named_optimizer_keeps_live_names(info: ConformanceInfo,
-                                                                  device: str) -> None:
+def test_unnamed_checkpoint_into_named_optimizer_keeps_live_names(
+    info: ConformanceInfo, device: str
+) -> None:
     model = info.model(device)
     unnamed = info.build(model, named=False)
     train(model, unnamed, range(2))
@@ -158,8 +162,9 @@ def test_unnamed_checkpoint_into_named_optimizer_keeps_live_names(info: Conforma
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", UNNAMED)
-def test_named_checkpoint_into_unnamed_optimizer_takes_the_saved_names(info: ConformanceInfo,
-                                                                       device: str) -> None:
+def test_named_checkpoint_into_unnamed_optimizer_takes_the_saved_names(
+    info: ConformanceInfo, device: str
+) -> None:
     model = info.model(device)
     named = info.build(model, named=True)
     train(model, named, range(2))
@@ -171,16 +176,18 @@ def test_named_checkpoint_into_unnamed_optimizer_takes_the_saved_names(info: Con
     resumed.load_state_dict(saved_model)
     unnamed = info.build(resumed, named=False)
     unnamed.load_state_dict(sd)
-    assert [list(g["param_names"]) for g in unnamed.param_groups] == \
-        [list(g["param_names"]) for g in named.param_groups]
+    assert [list(g["param_names"]) for g in unnamed.param_groups] == [
+        list(g["param_names"]) for g in named.param_groups
+    ]
     train(resumed, unnamed, range(2, 4))
     assert_same_params(model, resumed)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", INFO_PARAMS)
-def test_params_rebound_by_a_wrapper_before_the_first_step(info: ConformanceInfo,
-                                                           device: str) -> None:
+def test_params_rebound_by_a_wrapper_before_the_first_step(
+    info: ConformanceInfo, device: str
+) -> None:
     model = info.model(device)
     opt = info.build(model)
     group = opt.param_groups[0]

@@ -40,14 +40,15 @@ CLONES: dict[str, Callable[[Any], Any]] = {
     "pickle": lambda obj: pickle.loads(pickle.dumps(obj)),
 }
 # lr = 2**-6 is exact in fp32, so a tensor lr and the float give the same bits.
-LR = 2.0 ** -6
+LR = 2.0**-6
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", sorted(CLONES))
 @pytest.mark.parametrize("info", INFO_PARAMS)
 def test_copy_after_training_is_independent_and_steps_identically(
-        info: ConformanceInfo, how: str, device: str) -> None:
+    info: ConformanceInfo, how: str, device: str
+) -> None:
     model = info.model(device)
     opt = info.build(model)
     train(model, opt, range(3))
@@ -92,7 +93,8 @@ def test_zero_size_parameters_train_and_checkpoint(info: ConformanceInfo, device
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", INFO_PARAMS)
 def test_step_with_closure_returns_its_loss_and_steps_on_its_gradients(
-        info: ConformanceInfo, device: str) -> None:
+    info: ConformanceInfo, device: str
+) -> None:
     x = batch(device)
     model, model2 = info.model(device), info.model(device)
     opt, opt2 = info.build(model), info.build(model2)
@@ -124,7 +126,8 @@ SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "ExponentialLR": lambda o: lr_scheduler.ExponentialLR(o, gamma=0.5),
     "CosineAnnealingLR": lambda o: lr_scheduler.CosineAnnealingLR(o, T_max=4),
     "OneCycleLR": lambda o: lr_scheduler.OneCycleLR(
-        o, max_lr=[LR] * len(o.param_groups), total_steps=8, cycle_momentum=False),
+        o, max_lr=[LR] * len(o.param_groups), total_steps=8, cycle_momentum=False
+    ),
     "ReduceLROnPlateau": lambda o: lr_scheduler.ReduceLROnPlateau(o, factor=0.5, patience=0),
 }
 
@@ -140,8 +143,9 @@ def _advance(sched: Any, step: int) -> None:
 @pytest.mark.parametrize("tensor_lr", [False, True], ids=["float_lr", "tensor_lr"])
 @pytest.mark.parametrize("name", sorted(SCHEDULERS))
 @pytest.mark.parametrize("info", INFO_PARAMS)
-def test_schedulers_drive_the_lr_the_step_uses(info: ConformanceInfo, name: str,
-                                               tensor_lr: bool, device: str) -> None:
+def test_schedulers_drive_the_lr_the_step_uses(
+    info: ConformanceInfo, name: str, tensor_lr: bool, device: str
+) -> None:
     lr = torch.tensor(LR) if tensor_lr else LR
     model = info.model(device)
     opt = info.build(model, lr=lr)
@@ -150,8 +154,7 @@ def test_schedulers_drive_the_lr_the_step_uses(info: ConformanceInfo, name: str,
 
     def record(step: int) -> None:
         # Some schedulers replace a tensor lr by a float (ReduceLROnPlateau before torch 2.8).
-        seen.append([(float(g["lr"]), isinstance(g["lr"], torch.Tensor))
-                     for g in opt.param_groups])
+        seen.append([(float(g["lr"]), isinstance(g["lr"], torch.Tensor)) for g in opt.param_groups])
 
     for step in range(4):
         train(model, opt, range(step, step + 1), record)
@@ -176,8 +179,9 @@ def test_schedulers_drive_the_lr_the_step_uses(info: ConformanceInfo, name: str,
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", INFO_PARAMS)
-def test_tensor_lr_steps_as_the_float_and_follows_in_place_changes(info: ConformanceInfo,
-                                                                   device: str) -> None:
+def test_tensor_lr_steps_as_the_float_and_follows_in_place_changes(
+    info: ConformanceInfo, device: str
+) -> None:
     lr = torch.tensor(LR)
     model, model2 = info.model(device), info.model(device)
     opt = info.build(model, lr=lr, weight_decay=0.0)
@@ -204,15 +208,22 @@ def _betas_cases() -> list[Any]:
                 adamw = info.kwargs.get("backup_optimizer") == "adamw"
                 if capturable and adamw and device.values[0] == "cpu":
                     continue
-                cases.append(pytest.param(
-                    info, capturable, device.values[0], marks=device.marks,
-                    id=f"{info.id}-{'capturable' if capturable else 'eager'}-{device.id}"))
+                cases.append(
+                    pytest.param(
+                        info,
+                        capturable,
+                        device.values[0],
+                        marks=device.marks,
+                        id=f"{info.id}-{'capturable' if capturable else 'eager'}-{device.id}",
+                    )
+                )
     return cases
 
 
 @pytest.mark.parametrize(("info", "capturable", "device"), _betas_cases())
 def test_tensor_betas_step_as_the_floats_and_follow_in_place_changes(
-        info: ConformanceInfo, capturable: bool, device: str) -> None:
+    info: ConformanceInfo, capturable: bool, device: str
+) -> None:
     betas = (torch.tensor(0.875, device=device), torch.tensor(0.9921875, device=device))
     model, model2 = info.model(device), info.model(device)
     opt = info.build(model, betas=betas, capturable=capturable)

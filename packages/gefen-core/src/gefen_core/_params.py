@@ -304,9 +304,11 @@ def live_names(groups: list[dict[str, Any]]) -> list[tuple[list[str], list[bool]
         names = group.get("param_names")
         flags = group.get("param_names_synthesized")
         n = len(group["params"])
-        consistent = (isinstance(names, list) and isinstance(flags, list)
-                      and len(names) == n and len(flags) == n)
-        out.append((names, flags) if consistent else None)
+        if isinstance(names, list) and isinstance(flags, list) \
+                and len(names) == n and len(flags) == n:
+            out.append((names, flags))
+        else:
+            out.append(None)
     taken = {name for entry in out if entry is not None for name in entry[0]}
     result: list[tuple[list[str], list[bool]]] = []
     for index, (group, entry) in enumerate(zip(groups, out)):

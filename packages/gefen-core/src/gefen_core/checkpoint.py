@@ -79,9 +79,11 @@ def split_state(saved_state: Mapping[Any, Any],
     can only be an orphaned parameter id and is left with the parameter entries for the
     staging to refuse.
     """
-    ids = {sid for g in saved_groups if isinstance(g, Mapping)
-           for sid in (g.get("params") if isinstance(g.get("params"), list) else ())
-           if _hashable(sid)}
+    ids: set[Any] = set()
+    for g in saved_groups:
+        listed = g.get("params") if isinstance(g, Mapping) else None
+        if isinstance(listed, list):
+            ids.update(sid for sid in listed if _hashable(sid))
     params: dict[Any, Any] = {}
     other: dict[Any, Any] = {}
     for key, entry in saved_state.items():

@@ -89,7 +89,7 @@ def test_gpu_fsdp2_nccl_world1_matches_and_resumes(tmp_path, factored):
 
 def _muon_gpu_worker(rank: int, world: int, backup: str) -> dict:
     from gefen_core import GefenMuonHybrid
-    from gefen_dist import ShardedGefenMuon, ShardedGefenMuonHybrid, aligned_period
+    from gefen_dist import ShardedGefenMuon, ShardedGefenMuonHybrid, sharded_period
 
     torch.cuda.set_device(rank)
     data = [(x.cuda(), y.cuda()) for x, y in batches(K + J, batch=4, seq=16, seed=4)]
@@ -104,7 +104,7 @@ def _muon_gpu_worker(rank: int, world: int, backup: str) -> dict:
     if backup == "gefen":  # the same shard-aligned periods, as in the Gefen test above
         for g in ref_hyb.backup.param_groups:
             for p, n in zip(g["params"], g["param_names"]):
-                ref_hyb.backup.state[p]["period"] = aligned_period(
+                ref_hyb.backup.state[p]["period"] = sharded_period(
                     hyb.backup.search_periods[n], tuple(p.shape), world)
     ref_losses = train(ref, ref_hyb, data)
     return {"muon_is_sharded": isinstance(hyb.muon, ShardedGefenMuon),

@@ -401,16 +401,23 @@ class ShardedGefenMuon(GefenMuon):
                 loss = closure()
         entries = self._muon_preflight()
         overflow, inv_scale = _amp.overflow_and_inverse_scale(self)
+        # skip_nonfinite reads the gradients as step() receives them, like GefenMuon.
+        nonfinite = self._skip_nonfinite and self._step_is_nonfinite()
         if self._collective():
-            flag = torch.tensor([int(overflow)], dtype=torch.int32,
+            # One all-reduce decides both skips on every rank alike.
+            flag = torch.tensor([int(overflow), int(nonfinite)], dtype=torch.int32,
                                 device=collective_device(self._dist_group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._dist_group)
-            overflow = bool(flag.item())
+            overflow, nonfinite = (bool(v) for v in flag.tolist())
+        if nonfinite:
+            self._record_skipped_step()
+            return loss
         if overflow:
             return loss
         if inv_scale is not None:
             _amp.unscale_([g for _, _, g, _ in entries], inv_scale)
         self._apply(entries)
+        self.last_step_skipped = False
         return loss
 
     def _apply(self, entries: list[Entry]) -> None:
@@ -770,6 +777,7 @@ class ShardedGefenMuonHybrid(GefenMuonHybrid):
     gefen_capabilities: Capabilities = SHARDED_GEFEN_MUON_CAPABILITIES
     _muon_class = ShardedGefenMuon
     _gefen_class = ShardedGefen
+    _sharded_alternative = None
 
     def _collective(self) -> bool:
         muon = self.muon
@@ -809,7 +817,7 @@ class ShardedGefenMuonHybrid(GefenMuonHybrid):
             return super()._first_step_has_non_finite()
         learning = any(isinstance(c, Gefen) and c._codebook is None for c in self._children())
         bad = False
-        if learning:
+        if learning or self._skip_nonfinite:
             grads = [p.grad for g in self.param_groups for p in g["params"]
                      if p.grad is not None]
             bad = not all(bool(torch.isfinite(_local(g)).all()) for g in grads)

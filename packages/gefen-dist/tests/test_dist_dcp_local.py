@@ -184,3 +184,30 @@ def test_a_checkpoint_loads_into_the_other_mode(tmp_path, saved_factored):
     assert matrices >= 4
     losses = train(model2, opt2, rest)
     assert all(math.isfinite(x) for x in losses)
+
+
+def test_sharded_period_rule():
+    """The documented examples, and over a sweep: the period divides the search result,
+    tiles the live layout, and tiles 2, 4 and 8 ranks whenever blocks of 8 or more can."""
+    from gefen_dist import aligned_period, sharded_period
+    from gefen_dist.sharded import period_tiles
+
+    for world in (1, 2, 4, 8):
+        assert sharded_period(64, (64,), world) == 8
+        assert sharded_period(64, (256, 64), world) == 64
+    assert sharded_period(100, (100,), 1) == 25
+    assert sharded_period(100, (100,), 3) == 2  # the live layout (3 ranks) comes first
+
+    def chunk(shape, world):
+        return -(-shape[0] // world) * math.prod(shape[1:])
+
+    for shape in [(64,), (100,), (3, 32), (6, 10), (16, 32), (256, 64), (24, 96), (7,)]:
+        numel = math.prod(shape)
+        for period in [d for d in range(1, numel + 1) if numel % d == 0]:
+            for world in (1, 2, 3, 4, 6, 8):
+                got = sharded_period(period, shape, world)
+                assert period % got == 0 and chunk(shape, world) % got == 0
+                assert period_tiles(got, shape, world)
+                best = math.gcd(period, chunk(shape, world), *(chunk(shape, v) for v in (2, 4, 8)))
+                if best >= 8 or best == aligned_period(period, shape, world):
+                    assert got == best, (shape, period, world, got, best)

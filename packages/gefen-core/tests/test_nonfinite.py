@@ -23,8 +23,9 @@ SHAPES = {"w": (128, 64), "u": (48, 40), "b": (96,)}
 
 def _params(device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
-    return [(n, torch.randn(s, generator=gen).to(device).requires_grad_())
-            for n, s in SHAPES.items()]
+    return [
+        (n, torch.randn(s, generator=gen).to(device).requires_grad_()) for n, s in SHAPES.items()
+    ]
 
 
 def _grads(step: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -33,8 +34,10 @@ def _grads(step: int, device: str = "cpu") -> dict[str, torch.Tensor]:
 
 
 def _snapshot(params, opt) -> dict:
-    out = {"T": opt._global_step, "codebook": None if opt._codebook is None
-           else opt._codebook.clone()}
+    out = {
+        "T": opt._global_step,
+        "codebook": None if opt._codebook is None else opt._codebook.clone(),
+    }
     for name, p in params:
         out[(name, "param")] = p.detach().clone()
         for key, value in opt.state[p].items():
@@ -103,18 +106,23 @@ def test_skip_nonfinite_option_is_validated():
         Gefen(_params(), skip_nonfinite=True, capturable=True)
     opt = Gefen(_params(), skip_nonfinite=True)
     with pytest.raises(ValueError, match="capturable"):
-        opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)],
-                             "capturable": True})
+        opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)], "capturable": True})
     with pytest.raises(ValueError, match="capturable"):
-        GefenMuonHybrid([("m", torch.zeros(8, 8, requires_grad=True))], [], lr=1e-3,
-                        skip_nonfinite=True, capturable=True)
+        GefenMuonHybrid(
+            [("m", torch.zeros(8, 8, requires_grad=True))],
+            [],
+            lr=1e-3,
+            skip_nonfinite=True,
+            capturable=True,
+        )
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
 def test_without_skip_a_nonfinite_element_spreads_over_its_block(foreach):
     """Block mode: exactly the elements of the block holding the Inf become NaN."""
-    params, opt = _run(dict(factored_v_2d=False, foreach=foreach, weight_decay=0.0),
-                       bad=None, steps=3)
+    params, opt = _run(
+        dict(factored_v_2d=False, foreach=foreach, weight_decay=0.0), bad=None, steps=3
+    )
     w = dict(params)["w"]
     period = opt.state[w]["period"]
     assert period < w.numel()  # several blocks, so "only its block" means something
@@ -129,7 +137,7 @@ def test_without_skip_a_nonfinite_element_spreads_over_its_block(foreach):
     flat_bad = (~torch.isfinite(w.detach())).reshape(-1)
     block = (3 * w.shape[1] + 5) // period
     expect = torch.zeros_like(flat_bad)
-    expect[block * period:(block + 1) * period] = True
+    expect[block * period : (block + 1) * period] = True
     assert torch.equal(flat_bad, expect), (int(flat_bad.sum()), period)
     # Every other block took a finite step.
     moved = (w.detach() != before).reshape(-1)
@@ -140,8 +148,9 @@ def test_without_skip_a_nonfinite_element_spreads_over_its_block(foreach):
 def test_without_skip_a_factored_matrix_loses_the_row_and_column(foreach):
     """Factored mode: the row and the column through the Inf become NaN; the mean row
     statistic is then infinite, so every other element gets a zero update."""
-    params, opt = _run(dict(factored_v_2d=True, foreach=foreach, weight_decay=0.0),
-                       bad=None, steps=3)
+    params, opt = _run(
+        dict(factored_v_2d=True, foreach=foreach, weight_decay=0.0), bad=None, steps=3
+    )
     w = dict(params)["w"]
     before = w.detach().clone()
     grads = _grads(3)
@@ -162,8 +171,7 @@ def test_without_skip_a_factored_matrix_loses_the_row_and_column(foreach):
 def test_gefen_muon_skips_the_same_way():
     def run(bad: bool):
         gen = torch.Generator().manual_seed(1)
-        mats = [(f"m{i}", torch.randn(32, 48, generator=gen).requires_grad_())
-                for i in range(2)]
+        mats = [(f"m{i}", torch.randn(32, 48, generator=gen).requires_grad_()) for i in range(2)]
         opt = GefenMuon(mats, lr=0.02, skip_nonfinite=True)
         for step in range(4):
             gen = torch.Generator().manual_seed(10 + step)
@@ -190,8 +198,9 @@ def test_gefen_muon_skips_the_same_way():
 def test_hybrid_skips_both_halves(backup):
     def run(bad: bool):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
-                                    torch.nn.Linear(32, 8))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)
+        )
         hyb = GefenMuonHybrid(model, lr=1e-2, backup_optimizer=backup, skip_nonfinite=True)
         assert not hyb.muon._skip_nonfinite  # the hybrid decides for both halves
         gen = torch.Generator().manual_seed(3)
@@ -291,8 +300,12 @@ def test_gpu_fused_blast_radius_matches_the_reference():
     for factored in (False, True):
         out = []
         for fused in (True, False):
-            params, opt = _run(dict(factored_v_2d=factored, fused=fused, weight_decay=0.0),
-                               bad=None, steps=3, device="cuda")
+            params, opt = _run(
+                dict(factored_v_2d=factored, fused=fused, weight_decay=0.0),
+                bad=None,
+                steps=3,
+                device="cuda",
+            )
             grads = _grads(3, "cuda")
             grads["w"][3, 5] = float("inf")
             for name, p in params:

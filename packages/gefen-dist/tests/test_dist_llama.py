@@ -52,8 +52,11 @@ def _save(model, opt, path: str) -> None:
     from gefen_dist import GefenDCPState
 
     state = GefenDCPState(model, opt)
-    dcp.save({"model": model.state_dict(), "optim": state}, checkpoint_id=path,
-             planner=state.save_planner())
+    dcp.save(
+        {"model": model.state_dict(), "optim": state},
+        checkpoint_id=path,
+        planner=state.save_planner(),
+    )
 
 
 def _load(model, opt, path: str) -> None:
@@ -78,8 +81,9 @@ def _local_state(opt) -> dict:
 def _same(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
-    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
-               for k in a)
+    return all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
 
 
 def _step(model, opt, x, y, poison: bool) -> None:
@@ -141,12 +145,14 @@ def _skip(model_state_at_k: dict, params_at_k: dict) -> dict:
             out["gefen"] = (opt.last_step_skipped, _same(before, _local_state(opt)))
     out["gefen_count"] = opt.skipped_steps
     out["gefen_continues_exactly"] = _same(model_state_at_k, _local_state(opt)) and all(
-        torch.equal(t, params_at_k[n]) for n, t in full_params(model).items())
+        torch.equal(t, params_at_k[n]) for n, t in full_params(model).items()
+    )
     for label in ("muon", "hybrid"):
         model = shard_llama(make_llama(0))
         if label == "muon":
-            hidden = [(n, p) for n, p in model.named_parameters()
-                      if p.ndim == 2 and ".layers." in n]
+            hidden = [
+                (n, p) for n, p in model.named_parameters() if p.ndim == 2 and ".layers." in n
+            ]
             opt = ShardedGefenMuon(hidden, lr=0.02, skip_nonfinite=True)
         else:
             opt = ShardedGefenMuonHybrid(model, lr=LR, skip_nonfinite=True)
@@ -156,8 +162,9 @@ def _skip(model_state_at_k: dict, params_at_k: dict) -> dict:
             _step(model, opt, x, y, poison=(i == 1 and rank == world - 1))
             if i == 1:
                 unchanged = _same(before, _local_state(opt.muon if label == "hybrid" else opt))
-                unchanged = unchanged and all(torch.equal(p.to_local(), params[n])
-                                              for n, p in model.named_parameters())
+                unchanged = unchanged and all(
+                    torch.equal(p.to_local(), params[n]) for n, p in model.named_parameters()
+                )
                 out[label] = (opt.last_step_skipped, unchanged)
         out[f"{label}_count"] = opt.skipped_steps
     return out
@@ -214,8 +221,10 @@ def _compare(saved: dict, resaved: dict, shapes: dict, world: int) -> tuple[set,
                 assert torch.equal(a[key], b[key]), (name, key)
         for key in ("initialized", "factored", "step", "exp_avg_sq_step", "search_period"):
             assert a[key] == b[key], (name, key)
-        if a["period"] != b["period"] or not (torch.equal(a["momentum"], b["momentum"])
-                                              and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])):
+        if a["period"] != b["period"] or not (
+            torch.equal(a["momentum"], b["momentum"])
+            and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+        ):
             differ.add(name)
     return differ, reblock
 
@@ -244,15 +253,22 @@ def test_llama_moves_between_one_process_and_fsdp2_on_2_and_4_ranks(tmp_path):
     # 1. Misuse: refused on every rank, naming the parameter and the class to use.
     for r in r4 + r2:
         m = r["misuse"]
-        assert m["construct"] and "llama.model.embed_tokens.weight" in m["construct"] \
-            and "ShardedGefen" in m["construct"], m
+        assert (
+            m["construct"]
+            and "llama.model.embed_tokens.weight" in m["construct"]
+            and "ShardedGefen" in m["construct"]
+        ), m
         assert m["check"] and "fsdp2_shard0" in m["check"] and "ShardedGefen" in m["check"], m
         assert m["step"] and "ShardedGefen" in m["step"], m
     # 2 and 3. Every move re-saves bit for bit except where the saved blocks cannot tile.
     moved = {}
     for src, world in (("w1", 4), ("w1", 2), ("w4", 2), ("w2", 1)):
-        differ, reblock = _compare(_read(os.path.join(tmp, src)),
-                                   _read(os.path.join(tmp, f"{src}-on{world}")), shapes, world)
+        differ, reblock = _compare(
+            _read(os.path.join(tmp, src)),
+            _read(os.path.join(tmp, f"{src}-on{world}")),
+            shapes,
+            world,
+        )
         assert differ == reblock, (src, world, sorted(differ), sorted(reblock))
         moved[(src, world)] = sorted(reblock)
     norms = sorted(n for n, s in shapes.items() if len(s) == 1)

@@ -41,8 +41,7 @@ def mix_seed(global_step: int, salt: int) -> int:
     return _to_signed64(((global_step * _SEED_MIX) & _MASK64) ^ salt)
 
 
-def fill_device_seeds(opt: Any, dev: torch.device,
-                      slots: list[tuple[list[Any], int, int]]) -> None:
+def fill_device_seeds(opt: Any, dev: torch.device, slots: list[tuple[list[Any], int, int]]) -> None:
     """The capturable seeds ``(T * MIX) xor salt`` of one device's tensors (§1.9, O7) from
     its device step count: one launch for all of them (a graph replays every launch of the
     step, so ~2 per tensor would cost more than GPT-2's kernels), the same values as one
@@ -64,9 +63,11 @@ def fill_device_seeds(opt: Any, dev: torch.device,
         opt._salt_tensors[key] = table
     if table is not None:
         seeds = torch.bitwise_xor(t_dev * _to_signed64(_SEED_MIX), table)
-        views = [seeds[i:i + 1] for i in range(len(slots))]
+        views = [seeds[i : i + 1] for i in range(len(slots))]
     else:
-        views = [torch.bitwise_xor(t_dev * _to_signed64(_SEED_MIX), _to_signed64(salt))
-                 .reshape(1) for salt in salts]
+        views = [
+            torch.bitwise_xor(t_dev * _to_signed64(_SEED_MIX), _to_signed64(salt)).reshape(1)
+            for salt in salts
+        ]
     for (seed_list, at, _), view in zip(slots, views):
         seed_list[at] = view

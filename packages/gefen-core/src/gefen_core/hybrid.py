@@ -428,6 +428,10 @@ class GefenMuonHybrid(Optimizer):
         self._backup_preflight()
         overflow, inv_scale = self._amp_decision()
         if overflow:
+            # The scaler found a non-finite gradient: with skip_nonfinite this is such a step.
+            if self._skip_nonfinite:
+                self.skipped_steps += 1
+                self.last_step_skipped = True
             return loss
         if inv_scale is not None:
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]

@@ -39,16 +39,17 @@ _CHUNK = 1 << 22
 _FLT_MIN = float(torch.finfo(torch.float32).tiny)
 
 
-def dense_momentum(codes: Tensor, scale: Tensor, codebook: Tensor,
-                   local_shape: tuple[int, ...]) -> Tensor:
+def dense_momentum(
+    codes: Tensor, scale: Tensor, codebook: Tensor, local_shape: tuple[int, ...]
+) -> Tensor:
     """fp32 ``c[q] * s`` in the local parameter shape, dequantized in chunks of whole blocks."""
     blocks, period = codes.shape
     out = torch.empty(blocks, period, dtype=torch.float32, device=codes.device)
     cb = codebook.to(device=codes.device, dtype=torch.float32)
     step = max(1, _CHUNK // max(period, 1))
     for b in range(0, blocks, step):
-        q = codes[b:b + step].long()
-        torch.mul(cb[q], scale[b:b + step], out=out[b:b + step])
+        q = codes[b : b + step].long()
+        torch.mul(cb[q], scale[b : b + step], out=out[b : b + step])
     return out.reshape(local_shape)
 
 
@@ -64,8 +65,13 @@ def factored_dense(row: Tensor, col: Tensor, inv_rbar: float) -> Tensor:
     return torch.outer(row.to(torch.float32), col.to(torch.float32)).mul_(inv)
 
 
-def matrix_partials(state: tuple[Tensor, ...] | None, factored: bool, period: int,
-                    local_shape: tuple[int, ...], cols: int) -> tuple[Tensor, Tensor]:
+def matrix_partials(
+    state: tuple[Tensor, ...] | None,
+    factored: bool,
+    period: int,
+    local_shape: tuple[int, ...],
+    cols: int,
+) -> tuple[Tensor, Tensor]:
     """One rank's part of a matrix slot's global statistics: ``(local, partial)``.
 
     Factored (``state = (codes, scale, r, k)``): ``local`` is ``r``, ``partial`` fp64 ``[1]``
@@ -87,8 +93,14 @@ def matrix_partials(state: tuple[Tensor, ...] | None, factored: bool, period: in
     return row, v.sum(dim=0).cpu()
 
 
-def matrix_stats(state: tuple[Tensor, ...] | None, factored: bool, local: Tensor,
-                 total: Tensor, global_rows: int, cols: int) -> tuple[Tensor, Tensor, float]:
+def matrix_stats(
+    state: tuple[Tensor, ...] | None,
+    factored: bool,
+    local: Tensor,
+    total: Tensor,
+    global_rows: int,
+    cols: int,
+) -> tuple[Tensor, Tensor, float]:
     """``(row, col, inv_rbar)`` of a matrix slot from its summed partial ``total``.
 
     Factored: the state's ``r`` and ``k`` and ``1 / max(f32(sum r / R), FLT_MIN)``, the
@@ -99,13 +111,13 @@ def matrix_stats(state: tuple[Tensor, ...] | None, factored: bool, local: Tensor
         return local, torch.zeros(cols, dtype=torch.float32), 0.0
     if factored:
         mean = float(torch.tensor(float(total[0]) / max(global_rows, 1), dtype=torch.float32))
-        return local, state[3], float(torch.tensor(1.0 / max(mean, _FLT_MIN),
-                                                   dtype=torch.float32))
+        return local, state[3], float(torch.tensor(1.0 / max(mean, _FLT_MIN), dtype=torch.float32))
     return local, (total / max(global_rows, 1)).to(torch.float32), 0.0
 
 
-def reblock(momentum: Tensor, second_moment: Tensor, period: int,
-            codebook: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def reblock(
+    momentum: Tensor, second_moment: Tensor, period: int, codebook: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """Dense local fp32 momentum and second moment -> ``(codes, scale, exp_avg_sq)``.
 
     ``s_b = max|m|``, ``q = nearest(m / s_b)`` (0 where ``s_b = 0``), ``v_b`` = the mean of the

@@ -207,6 +207,9 @@ class ShardedGefenMuon(GefenMuon):
             takes effect. See the module docstring for what each mode computes and stores.
         distributed_mesh (DeviceMesh | ProcessGroup | None, keyword-only): the 1-D mesh (or its
             group) the matrices are sharded over. ``None`` (default): the DTensors' mesh.
+        skip_nonfinite (bool, keyword-only): as ``GefenMuon``; a NaN or Inf in any rank's
+            gradient shard skips the step on every rank (decided in the all-reduce that agrees
+            on the AMP overflow; docs/algorithm.md#non-finite-gradients).
 
     Every rank must call :meth:`step` (collective in exact and distributed modes, and for the
     agreement on its checks) and, in distributed mode, :meth:`state_dict` (collective).
@@ -766,7 +769,10 @@ class ShardedGefenMuonHybrid(GefenMuonHybrid):
     ``torch.optim.AdamW``, which steps DTensor shards element-wise as it is.
 
     Same arguments and checkpoint layout (§5.5) as ``GefenMuonHybrid``. Every rank must call
-    :meth:`step`, :meth:`state_dict` (distributed mode) and :meth:`load_state_dict`.
+    :meth:`step`, :meth:`state_dict` (distributed mode) and :meth:`load_state_dict`. With
+    ``skip_nonfinite=True`` the ranks agree (one all-reduce per step) so a NaN or Inf in any
+    rank's gradients skips the step of both halves on every rank
+    (docs/algorithm.md#non-finite-gradients).
 
     Raises:
         As ``GefenMuonHybrid``, ``ShardedGefenMuon`` and ``ShardedGefen``; a checkpoint half

@@ -299,19 +299,22 @@ class GefenDCPState(Stateful):
                 continue
             parts.append(matrix_partials(meta["state"], meta["factored"], meta["period"],
                                          meta["local_shape"], int(p.shape[1])))
-        sums = [part[1] for part in parts if part is not None]
-        if sums and self._distributed():
-            flat = torch.cat(sums).to(collective_device(self._group))
+        # Only row shards hold part of a matrix; a plain parameter (one process, or a replica)
+        # holds all of it.
+        sharded = [i for i, (p, part) in enumerate(zip(self._params, parts))
+                   if part is not None and _is_dtensor(p)]
+        totals = {i: part[1] for i, part in enumerate(parts) if part is not None}
+        if sharded and self._distributed():
+            flat = torch.cat([totals[i] for i in sharded]).to(collective_device(self._group))
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group)
-            flat = flat.cpu()
-            sums = list(flat.split([t.numel() for t in sums]))
+            for i, t in zip(sharded, flat.cpu().split([totals[i].numel() for i in sharded])):
+                totals[i] = t
         out: list[tuple[Tensor, Tensor, float] | None] = []
-        totals = iter(sums)
-        for p, meta, part in zip(self._params, metas, parts):
+        for i, (p, meta, part) in enumerate(zip(self._params, metas, parts)):
             if part is None:
                 out.append(None)
                 continue
-            out.append(matrix_stats(meta["state"], meta["factored"], part[0], next(totals),
+            out.append(matrix_stats(meta["state"], meta["factored"], part[0], totals[i],
                                     int(p.shape[0]), int(p.shape[1])))
         return out
 
@@ -435,6 +438,7 @@ class GefenDCPState(Stateful):
 
             if meta["factored"]:
                 assert stats is not None
+
                 def make_v() -> Tensor:
                     return factored_dense(row, col, inv_rbar).reshape(shape)
             else:

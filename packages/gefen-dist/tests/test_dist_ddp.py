@@ -16,7 +16,8 @@ STEPS = 4
 def _ddp_worker(rank: int, world: int, device: str = "cpu", tmp: str | None = None) -> dict:
     """``device="cuda"``: one GPU per rank (NCCL group), and ``deterministic=True`` because
     replica identity needs every rank's optimizer step to be a function of its inputs only
-    (the fused CUDA kernels use float atomics otherwise, §1.15). ``tmp``: also save a
+    (the fused CUDA kernels use float atomics otherwise, docs/algorithm.md#deterministic).
+    ``tmp``: also save a
     GefenDCPState checkpoint of the replicas there (default options: factored matrices)."""
     from gefen_core import Gefen
 

@@ -42,11 +42,11 @@ def mix_seed(global_step: int, salt: int) -> int:
 
 
 def fill_device_seeds(opt: Any, dev: torch.device, slots: list[tuple[list[Any], int, int]]) -> None:
-    """The capturable seeds ``(T * MIX) xor salt`` of one device's tensors (§1.9, O7) from
-    its device step count: one launch for all of them (a graph replays every launch of the
-    step, so ~2 per tensor would cost more than GPT-2's kernels), the same values as one
-    tensor at a time. Each slot ``(list, index, salt)`` gets a ``[1]`` view. The salts
-    tables live in ``opt._salt_tensors``."""
+    """The capturable seeds ``(T * MIX) xor salt`` of one device's tensors (O7,
+    docs/algorithm.md#stochastic-rounding) from its device step count: one launch for all of
+    them (a graph replays every launch of the step, so ~2 per tensor would cost more than
+    GPT-2's kernels), the same values as one tensor at a time. Each slot ``(list, index,
+    salt)`` gets a ``[1]`` view. The salts tables live in ``opt._salt_tensors``."""
     t_dev = opt._device_step(dev)
     salts = tuple(salt for _, _, salt in slots)
     key = (dev, salts)

@@ -167,7 +167,7 @@ class TinyLlama(nn.Module):
     :func:`train` drive it like :class:`TinyLM`. Its 64-element RMSNorm weights are the
     tensors whose single-process period (the whole tensor) does not tile two ranks' shards."""
 
-    def __init__(self, layers: int = 2) -> None:
+    def __init__(self, layers: int = 1) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -182,7 +182,7 @@ class TinyLlama(nn.Module):
         return self.llama(input_ids=x, use_cache=False).logits
 
 
-def make_llama(seed: int = 0, layers: int = 2) -> TinyLlama:
+def make_llama(seed: int = 0, layers: int = 1) -> TinyLlama:
     torch.manual_seed(seed)
     return TinyLlama(layers)
 

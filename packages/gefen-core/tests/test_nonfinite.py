@@ -228,6 +228,27 @@ def test_hybrid_skips_both_halves(backup):
         assert torch.equal(a, b)
 
 
+def test_an_amp_overflow_counts_as_a_skipped_step():
+    """The native GradScaler protocol's overflow (found_inf) skips the step first; under
+    skip_nonfinite it is counted like any other non-finite step, by Gefen and the hybrid."""
+    params = _params()
+    opt = Gefen(params, lr=1e-2, skip_nonfinite=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    hyb = GefenMuonHybrid(model, lr=1e-2, skip_nonfinite=True)
+    model(torch.randn(3, 8)).sum().backward()
+    grads = _grads(0)
+    for name, p in params:
+        p.grad = grads[name]
+        p.grad[0] = float("inf")  # what an overflowing scaled gradient holds
+    for o in (opt, hyb):
+        o.found_inf = torch.ones(1)
+        o.grad_scale = torch.full((1,), 2.0**16)
+        o.step()
+        assert o.skipped_steps == 1 and o.last_step_skipped
+        del o.found_inf, o.grad_scale
+    assert opt._global_step == 0 and hyb.muon._global_step == 0
+
+
 @pytest.mark.timeout(120)
 def test_plain_gefen_refuses_sharded_dtensors_at_construction_and_step():
     import torch.distributed as dist

@@ -159,3 +159,39 @@ def train(model: nn.Module, opt, data, closure_style: bool = False) -> list[floa
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+class TinyLlama(nn.Module):
+    """A small ``transformers`` Llama (embedding, attention with grouped KV heads, gated MLP,
+    RMSNorms, untied head) from a config, returning logits so :func:`lm_loss` and
+    :func:`train` drive it like :class:`TinyLM`. Its 64-element RMSNorm weights are the
+    tensors whose single-process period (the whole tensor) does not tile two ranks' shards."""
+
+    def __init__(self, layers: int = 1) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, tie_word_embeddings=False)
+        config._attn_implementation = "eager"
+        self.llama = LlamaForCausalLM(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.llama(input_ids=x, use_cache=False).logits
+
+
+def make_llama(seed: int = 0, layers: int = 1) -> TinyLlama:
+    torch.manual_seed(seed)
+    return TinyLlama(layers)
+
+
+def shard_llama(model: TinyLlama, **kwargs) -> TinyLlama:
+    """``fully_shard`` every decoder layer, then the root (FSDP2)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.llama.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model

@@ -79,7 +79,7 @@ def factored_training(rank: int, world: int) -> dict:
     """FSDP2 training against the lock-stepped single-process reference, then a one-rank
     failure before the all-reduce (see the module docstring)."""
     from gefen_core import Gefen
-    from gefen_dist import ShardedGefen, aligned_period
+    from gefen_dist import ShardedGefen, sharded_period
 
     data = batches(STEPS, batch=4, seq=16, seed=3)
     model = shard(make_model(seed=0))
@@ -100,7 +100,7 @@ def factored_training(rank: int, world: int) -> dict:
         _, grads = _fsdp_step(model, opt, x, y)
         if t == 1:
             for n, p in plain.items():
-                ref_opt.state[p]["period"] = aligned_period(
+                ref_opt.state[p]["period"] = sharded_period(
                     opt.search_periods[n], tuple(fsdp[n].shape), world)
         for n, p in plain.items():
             p.grad = grads[n]

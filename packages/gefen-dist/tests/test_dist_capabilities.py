@@ -84,3 +84,19 @@ def test_builtin_gefen_rejects_fsdp2_and_points_to_sharded_gefen():
 
 def test_detect_layouts_plain_tensors():
     assert detect_layouts([torch.zeros(2), torch.zeros(3)]) == {Layout.REPLICATED}
+
+
+def test_an_instance_is_checked_for_what_it_is():
+    """With an instance, check_capabilities narrows the transports by its options: a
+    capturable Gefen has no GefenDCPState transport (its constructor refuses it too)."""
+    from gefen_core import Gefen
+
+    params = [torch.nn.Parameter(torch.zeros(4, 3))]
+    assert check_capabilities(Gefen(params), transport=Transport.DCP_RESHARD_EXACT)
+    opt = Gefen(params, capturable=True)
+    assert check_capabilities(opt).supports(transport=Transport.NATIVE)
+    assert not check_capabilities(opt).supports(transport=Transport.DCP_RESHARD_EXACT)
+    with pytest.raises(UnsupportedCombinationError, match="capturable=False"):
+        check_capabilities(opt, transport="dcp_reshard_approx")
+    # The class alone still declares the transport.
+    check_capabilities(Gefen, transport=Transport.DCP_RESHARD_EXACT)

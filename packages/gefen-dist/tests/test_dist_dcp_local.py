@@ -3,6 +3,8 @@ validation. Fast; the multi-rank resharding tests are in test_dist_dcp.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -14,21 +16,21 @@ from gefen_dist.dcp import async_stager_supported
 LR = 3e-3
 
 
-def _trained(steps: int = 3):
+def _trained(steps: int = 3, factored: bool = False):
     from gefen_core import Gefen
 
     model = make_model(seed=0)
-    opt = Gefen(model.named_parameters(), lr=LR, factored_v_2d=False)
+    opt = Gefen(model.named_parameters(), lr=LR, factored_v_2d=factored)
     data = batches(steps + 2, batch=2, seq=16, seed=5)
     train(model, opt, data[:steps])
     return model, opt, data[steps:]
 
 
-def _fresh():
+def _fresh(factored: bool = False):
     from gefen_core import Gefen
 
     model = make_model(seed=0)
-    return model, Gefen(model.named_parameters(), lr=LR, factored_v_2d=False)
+    return model, Gefen(model.named_parameters(), lr=LR, factored_v_2d=factored)
 
 
 def _state_bytes(opt) -> dict:
@@ -51,9 +53,11 @@ def _assert_same(a: dict, b: dict) -> None:
             assert a[k] == b[k], k
 
 
+@pytest.mark.parametrize("factored", [False, True], ids=["block", "factored"])
 @pytest.mark.parametrize("mode", ["eager", "planner", "async"])
-def test_round_trip_is_bit_exact_and_continues_identically(tmp_path, mode):
-    model, opt, rest = _trained()
+def test_round_trip_is_bit_exact_and_continues_identically(tmp_path, mode, factored):
+    """``factored``: plain Gefen's default (factored 2-D second moment) saves and loads too."""
+    model, opt, rest = _trained(factored=factored)
     before = _state_bytes(opt)
     state = GefenDCPState(model, opt)
     sd = {"model": model.state_dict(), "optim": state}
@@ -78,8 +82,8 @@ def test_round_trip_is_bit_exact_and_continues_identically(tmp_path, mode):
         # save time, not the post-step state.
         train(model, opt, rest[:1])
         fut.result()
-        model, opt, _ = _trained()
-    model2, opt2 = _fresh()
+        model, opt, _ = _trained(factored=factored)
+    model2, opt2 = _fresh(factored)
     target = {"model": model2.state_dict(), "optim": GefenDCPState(model2, opt2)}
     dcp.load(target, checkpoint_id=str(tmp_path))
     model2.load_state_dict(target["model"])
@@ -119,14 +123,91 @@ def test_malformed_checkpoint_changes_nothing(tmp_path):
 
 
 def test_scope_is_checked_at_construction():
-    from gefen_core import Gefen
+    from gefen_core import Gefen, GefenMuon
 
     model = make_model(seed=0)
-    with pytest.raises(ValueError, match="factored"):
-        GefenDCPState(model, Gefen(model.named_parameters()))
+    with pytest.raises(UnsupportedCombinationError, match="capturable=False"):
+        GefenDCPState(model, Gefen(model.named_parameters(), capturable=True))
+    blocks = model.blocks[0]
+    with pytest.raises(UnsupportedCombinationError, match="dcp_reshard_exact"):
+        GefenDCPState(model, GefenMuon([blocks.qkv.weight, blocks.proj.weight]))
     other = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="not a parameter of the given model"):
-        GefenDCPState(other, Gefen(model.named_parameters(), factored_v_2d=False))
+        GefenDCPState(other, Gefen(model.named_parameters()))
     with pytest.raises(TypeError):
         GefenDCPState(model, torch.optim.AdamW(model.parameters()))
-    assert UnsupportedCombinationError  # raised for plain Gefen on DTensors (multi-rank tests)
+
+
+def _factor_reference(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column means of a dense second moment (fp64, then one fp32 rounding)."""
+    v = v.double()
+    return v.mean(dim=1).float(), v.mean(dim=0).float()
+
+
+@pytest.mark.parametrize("saved_factored", [True, False], ids=["factored_to_block",
+                                                               "block_to_factored"])
+def test_a_checkpoint_loads_into_the_other_mode(tmp_path, saved_factored):
+    """Saved with one ``factored_v_2d``, loaded with the other: no missing key, a warning,
+    the momentum exact (same period), and the second moment converted as documented,
+    checked against the math computed here from the saved compact state."""
+    model, opt, rest = _trained(factored=saved_factored)
+    dcp.save({"optim": GefenDCPState(model, opt)}, checkpoint_id=str(tmp_path))
+    model2, opt2 = _fresh(not saved_factored)
+    with pytest.warns(RuntimeWarning, match="converted"):
+        dcp.load({"optim": GefenDCPState(model2, opt2)}, checkpoint_id=str(tmp_path))
+    flt_min = torch.finfo(torch.float32).tiny
+    u = 2.0 ** -24
+    matrices = 0
+    for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+        a, b = opt.state[p], opt2.state[q]
+        assert a["period"] == b["period"], name
+        assert torch.equal(a["exp_avg_codes"], b["exp_avg_codes"]), name
+        assert torch.equal(a["exp_avg_scale"], b["exp_avg_scale"]), name
+        if p.ndim != 2:
+            assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]), name
+            continue
+        matrices += 1
+        period = a["period"]
+        if saved_factored:
+            r, k = a["exp_avg_sq_row"].double(), a["exp_avg_sq_col"].double()
+            rbar = max(float(r.mean()), flt_min)
+            dense = torch.outer(r, k) / rbar
+            ref = dense.reshape(-1, period).mean(dim=1, keepdim=True)
+            # The loader forms each element in fp32 (product, times 1/rbar: three roundings
+            # with that of 1/rbar) and averages in fp64 before one last fp32 rounding.
+            torch.testing.assert_close(b["exp_avg_sq"].double(), ref, rtol=5 * u, atol=0)
+        else:
+            dense = a["exp_avg_sq"].expand(-1, period).reshape(p.shape)
+            row, col = _factor_reference(dense)
+            torch.testing.assert_close(b["exp_avg_sq_row"], row, rtol=u, atol=0)
+            torch.testing.assert_close(b["exp_avg_sq_col"], col, rtol=u, atol=0)
+    assert matrices >= 4
+    losses = train(model2, opt2, rest)
+    assert all(math.isfinite(x) for x in losses)
+
+
+def test_sharded_period_rule():
+    """The documented examples, and over a sweep: the period divides the search result,
+    tiles the live layout, and tiles 2, 4 and 8 ranks whenever blocks of 8 or more can."""
+    from gefen_dist import aligned_period, sharded_period
+    from gefen_dist.sharded import period_tiles
+
+    for world in (1, 2, 4, 8):
+        assert sharded_period(64, (64,), world) == 8
+        assert sharded_period(64, (256, 64), world) == 64
+    assert sharded_period(100, (100,), 1) == 25
+    assert sharded_period(100, (100,), 3) == 2  # the live layout (3 ranks) comes first
+
+    def chunk(shape, world):
+        return -(-shape[0] // world) * math.prod(shape[1:])
+
+    for shape in [(64,), (100,), (3, 32), (6, 10), (16, 32), (256, 64), (24, 96), (7,)]:
+        numel = math.prod(shape)
+        for period in [d for d in range(1, numel + 1) if numel % d == 0]:
+            for world in (1, 2, 3, 4, 6, 8):
+                got = sharded_period(period, shape, world)
+                assert period % got == 0 and chunk(shape, world) % got == 0
+                assert period_tiles(got, shape, world)
+                best = math.gcd(period, chunk(shape, world), *(chunk(shape, v) for v in (2, 4, 8)))
+                if best >= 8 or best == aligned_period(period, shape, world):
+                    assert got == best, (shape, period, world, got, best)

@@ -34,7 +34,7 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     from gefen_core import Gefen
-    from gefen_dist import ShardedGefen, aligned_period
+    from gefen_dist import ShardedGefen, sharded_period
 
     data = batches(STEPS, batch=4, seq=16, seed=3)
     out: dict = {}
@@ -46,7 +46,7 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     names = [n for n, _ in model.named_parameters()]
     search = opt.search_periods
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    aligned = {n: aligned_period(search[n], shapes[n], world) for n in names}
+    aligned = {n: sharded_period(search[n], shapes[n], world) for n in names}
     local_periods = {n: opt.state[p].get("period") for n, p in model.named_parameters()}
     out["empty_shards"] = sorted(n for n, p in model.named_parameters()
                                  if p.to_local().numel() == 0)

@@ -9,13 +9,14 @@ otherwise (§1.15), which would make even two single-process runs differ at ulp 
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist_models import batches, full_params, make_model, shard, train
+from _dist_models import batches, full_params, lm_loss, make_model, shard, train
 
 from gefen_dist.testing import run_distributed
 
@@ -89,7 +90,7 @@ def test_gpu_fsdp2_nccl_world1_matches_and_resumes(tmp_path, factored):
 
 def _muon_gpu_worker(rank: int, world: int, backup: str) -> dict:
     from gefen_core import GefenMuonHybrid
-    from gefen_dist import ShardedGefenMuon, ShardedGefenMuonHybrid, aligned_period
+    from gefen_dist import ShardedGefenMuon, ShardedGefenMuonHybrid, sharded_period
 
     torch.cuda.set_device(rank)
     data = [(x.cuda(), y.cuda()) for x, y in batches(K + J, batch=4, seq=16, seed=4)]
@@ -104,7 +105,7 @@ def _muon_gpu_worker(rank: int, world: int, backup: str) -> dict:
     if backup == "gefen":  # the same shard-aligned periods, as in the Gefen test above
         for g in ref_hyb.backup.param_groups:
             for p, n in zip(g["params"], g["param_names"]):
-                ref_hyb.backup.state[p]["period"] = aligned_period(
+                ref_hyb.backup.state[p]["period"] = sharded_period(
                     hyb.backup.search_periods[n], tuple(p.shape), world)
     ref_losses = train(ref, ref_hyb, data)
     return {"muon_is_sharded": isinstance(hyb.muon, ShardedGefenMuon),
@@ -124,3 +125,78 @@ def test_gpu_sharded_muon_hybrid_nccl_world1_matches_single_process(tmp_path, ba
                         timeout=500, collective_timeout=240)[0]
     assert r["muon_is_sharded"] and r["muon_paths"] == ["fused"], r
     assert r["params_differing"] == [] and r["losses_equal"], r
+
+
+def _llama_gpu_worker(rank: int, world: int, tmp: str, device: str = "cuda") -> dict:
+    """test_dist_llama's checks on one GPU with an NCCL group: the fused kernels, DTensor
+    shards on CUDA and GefenDCPState between FSDP2 and a plain process on the same GPU."""
+    from _dist_models import make_llama, shard_llama
+    from test_dist_llama import _load, _local_state, _same, _save
+
+    from gefen_core import Gefen
+    from gefen_dist import ShardedGefen, UnsupportedCombinationError, check_capabilities
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    data = [(x.to(device), y.to(device)) for x, y in batches(K + J, batch=2, seq=16, seed=21)]
+    kw = dict(lr=3e-3, deterministic=True)  # default factored_v_2d
+    out: dict = {}
+    model = shard_llama(make_llama(0).to(device))
+    try:
+        Gefen(model.named_parameters(), **kw)
+    except ValueError as exc:
+        out["refused"] = "ShardedGefen" in str(exc)
+    opt = ShardedGefen(model.named_parameters(), skip_nonfinite=True, **kw)
+    check_capabilities(opt, transport="dcp_reshard_exact")
+    out["paths"] = sorted(set(opt.step_paths().values()))
+    train(model, opt, data[:2])
+    before = _local_state(opt)
+    opt.zero_grad()
+    lm_loss(model, *data[2]).backward()
+    next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("nan")
+    opt.step()
+    out["skipped"] = opt.last_step_skipped and _same(before, _local_state(opt))
+    train(model, opt, data[2:K])
+    _save(model, opt, os.path.join(tmp, "fsdp"))
+    plain = make_llama(1).to(device)
+    plain_opt = Gefen(plain.named_parameters(), **kw)
+    _load(plain, plain_opt, os.path.join(tmp, "fsdp"))
+    _save(plain, plain_opt, os.path.join(tmp, "fsdp-on-plain"))
+    out["plain_trains"] = all(math.isfinite(v) for v in train(plain, plain_opt, data[K:]))
+    back = shard_llama(make_llama(2).to(device))
+    back_opt = ShardedGefen(back.named_parameters(), **kw)
+    _load(back, back_opt, os.path.join(tmp, "fsdp-on-plain"))
+    _save(back, back_opt, os.path.join(tmp, "plain-on-fsdp"))
+    out["fsdp_trains"] = all(math.isfinite(v) for v in train(back, back_opt, data[K:]))
+    try:
+        check_capabilities(Gefen(make_llama(0).to(device).parameters(), capturable=True),
+                           transport="dcp_reshard_exact")
+    except UnsupportedCombinationError:
+        out["capturable_refused"] = True
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_llama_nccl_world1_skip_and_checkpoints_between_fsdp2_and_plain(tmp_path):
+    """One GPU, NCCL: plain Gefen refused on FSDP2 shards; skip_nonfinite on the fused path
+    skips a NaN step with nothing changed; an FSDP2 checkpoint (factored, the default) loads
+    into a plain Gefen on the same GPU and back, each re-save bit-identical (on one rank every
+    saved period tiles), and both continue training."""
+    from test_dist_llama import _read
+
+    tmp = str(tmp_path)
+    r = run_distributed(_llama_gpu_worker, 1, tmp, backend="cpu:gloo,cuda:nccl",
+                        timeout=500, collective_timeout=240)[0]
+    assert r.get("refused") and r.get("capturable_refused"), r
+    assert r["paths"] == ["foreach", "fused"], r  # deterministic: factored on the reference
+    assert r["skipped"] and r["plain_trains"] and r["fsdp_trains"], r
+    for a, b in (("fsdp", "fsdp-on-plain"), ("fsdp-on-plain", "plain-on-fsdp")):
+        sa, sb = _read(os.path.join(tmp, a)), _read(os.path.join(tmp, b))
+        assert torch.equal(sa["codebook"], sb["codebook"])
+        for name, slot in sa["slots"].items():
+            for key, value in slot.items():
+                other = sb["slots"][name][key]
+                same = torch.equal(value, other) if isinstance(value, torch.Tensor) \
+                    else value == other
+                assert same, (a, b, name, key)

@@ -314,7 +314,7 @@ def test_one_rank_failure_raises_on_every_rank(outcomes):
 
 def _hybrid_worker(rank: int, world: int, backup: str, mode: str) -> dict:
     from gefen_core import GefenMuonHybrid
-    from gefen_dist import ShardedGefen, ShardedGefenMuon, ShardedGefenMuonHybrid, aligned_period
+    from gefen_dist import ShardedGefen, ShardedGefenMuon, ShardedGefenMuonHybrid, sharded_period
 
     data = _data()
     kw = dict(lr=3e-3, backup_optimizer=backup, sharded_mode=mode)
@@ -330,12 +330,12 @@ def _hybrid_worker(rank: int, world: int, backup: str, mode: str) -> dict:
     ref = make_model(seed=0, **MODEL_KW)
     ref_hyb = GefenMuonHybrid(ref, **kw)
     if backup == "gefen":
-        # ShardedGefen aligns each period to the shard boundaries; give the single process the
+        # ShardedGefen refines each period to tile the shards; give the single process the
         # same periods (as test_dist_fsdp does) so the comparison is exact.
         search = hyb.backup.search_periods
         for g in ref_hyb.backup.param_groups:
             for p, n in zip(g["params"], g["param_names"]):
-                ref_hyb.backup.state[p]["period"] = aligned_period(
+                ref_hyb.backup.state[p]["period"] = sharded_period(
                     search[n], tuple(p.shape), world)
     ref_losses = train(ref, ref_hyb, data)
     out["losses_equal"] = losses == ref_losses

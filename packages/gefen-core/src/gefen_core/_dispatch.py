@@ -83,3 +83,19 @@ def choose_path(param: Tensor, group: dict[str, Any], *, deterministic: bool,
     if group["foreach"] is True or param.device.type == "cuda":
         return "foreach"
     return "for_loop"
+
+
+def split_by_device(lists: dict[str, list[Any]]) -> list[dict[str, list[Any]]]:
+    """A step's per-path tensor lists split by the parameters' device (one sub-dict each)."""
+    params = lists["params"]
+    if params and all(p.device == params[0].device for p in params):
+        return [lists]  # the usual case: no per-element regrouping
+    devices: dict[torch.device, dict[str, list[Any]]] = {}
+    n = len(lists["params"])
+    for i in range(n):
+        dev = lists["params"][i].device
+        out = devices.setdefault(dev, {k: [] for k in lists})
+        for k, v in lists.items():
+            if v:
+                out[k].append(v[i])
+    return list(devices.values())

@@ -45,18 +45,31 @@ DIFFERENTIABLE_DOC = r"""differentiable (bool, optional): must be ``False``. The
 MAXIMIZE_DOC = r"""maximize (bool, optional): maximize the objective with respect to the
             params, instead of minimizing (default: False)"""
 
-NAN_POLICY = r"""Non-finite gradients (decision O9): on the step that would learn the codebook,
-            a non-finite gradient in any participating tensor defers codebook learning and
-            skips that step entirely (nothing is mutated, a warning is issued); the same holds
-            for the period search of a parameter that first receives a gradient later (that
-            parameter is skipped for the step). Once state exists, non-finite gradients are not
-            guarded, exactly as in ``torch.optim.AdamW``; every path applies the op-layer rule
-            recorded in ``docs/decisions.md``."""
+SKIP_NONFINITE_DOC = r"""skip_nonfinite (bool, optional): skip a step whose gradients hold any NaN
+            or Inf element: parameters, state, step counters and the codebook stay untouched,
+            the step is counted in ``skipped_steps`` and ``last_step_skipped`` is set
+            (docs/algorithm.md#non-finite-gradients). Costs one host read per device per step;
+            incompatible with ``capturable=True``; optimizer-wide (default: False)"""
+
+NAN_POLICY = r"""Non-finite gradients (docs/algorithm.md#non-finite-gradients): with
+            ``skip_nonfinite=True`` a step whose gradients hold any NaN or Inf element changes
+            nothing (parameters, state, step counters, codebook) and is counted in
+            ``skipped_steps``; the distributed classes decide it over every rank's gradients
+            with one all-reduce. Without it: on the step that would learn the codebook, a
+            non-finite gradient in any participating tensor defers codebook learning and skips
+            that step entirely (a warning is issued); the same holds for the period search of
+            a parameter that first receives a gradient later (that parameter is skipped for
+            the step). Once state exists, a non-finite element is not guarded and, unlike in
+            ``torch.optim.AdamW``, does not stay in its own coordinate: it makes its block's
+            scale and second moment non-finite, so the whole block of the parameter becomes
+            NaN; factored 2-D parameters get a NaN row and column through the element, and
+            every other element of the matrix then gets a zero update (the mean row statistic
+            is infinite). Every path (references and Triton kernels) applies this rule."""
 
 
 def interpolate(doc: str, **parts: str) -> str:
-    """``doc`` with each ``{key}`` replaced by ``parts[key]`` (``str.format`` would trip over
-    the braces of a docstring's LaTeX block)."""
+    """``doc`` with each ``{key}`` replaced by its text (str.format would trip over the braces
+    of a LaTeX block)."""
     for key, text in parts.items():
         doc = doc.replace("{" + key + "}", text)
     return doc

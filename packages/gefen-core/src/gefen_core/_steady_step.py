@@ -237,7 +237,7 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
     contiguous, a DTensor, reduced statistics), a live tensor the step skipped, no codebook
     yet, or an optimizer that reduces factored statistics (its ``_factored_statistics`` hook
     is called on every step). ``split`` is the optimizer's per-device split of a path's lists
-    (``_split_by_device``)."""
+    (``_dispatch.split_by_device``)."""
     from .optimizer import name_salt
 
     if (opt._codebook is None or len(stepped) != len(live) or not stepped

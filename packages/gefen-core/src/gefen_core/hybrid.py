@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from . import _amp
+from . import _amp, _nonfinite
 from .muon import GefenMuon
 from .newton_schulz import DEFAULT_NS_STEPS
 from .optimizer import Gefen
@@ -145,11 +145,22 @@ class GefenMuonHybrid(Optimizer):
         capturable (bool): forwarded to both children (AdamW too).
         backup_substrings (tuple[str, ...], optional): replaces the default routing words
             (forms 2–4 only).
+        skip_nonfinite (bool, optional): skip a step whose gradients (either half) hold any
+            NaN or Inf element: neither half changes anything, the step is counted in
+            ``skipped_steps`` and ``last_step_skipped`` is set; decided once by the hybrid
+            (the halves are built without it), incompatible with ``capturable=True``
+            (docs/algorithm.md#non-finite-gradients) (default: False).
+
+    Non-finite gradients: without ``skip_nonfinite`` each half applies its own rule (Gefen's
+    and GefenMuon's: a non-finite element spreads over its block; AdamW's: it stays in its
+    coordinate), except that the step that would learn a codebook is skipped by both halves.
 
     Raises:
         TypeError: a bare tensor among the parameters; ``backup_substrings`` with two lists;
             an item that is not a ``(name, tensor)`` pair.
-        ValueError: no parameters; only zero-size parameters (ZeRO-3 placeholders: the Muon
+        ValueError: a DTensor parameter sharded over ranks (use
+            ``gefen_dist.ShardedGefenMuonHybrid``); ``skip_nonfinite`` with ``capturable``;
+            no parameters; only zero-size parameters (ZeRO-3 placeholders: the Muon
             family cannot train flat partitions); an unknown ``backup_optimizer``; a split that
             is not a partition of the model's trainable parameters; any child's own errors
             (with torch's texts: Muon's for the Muon options, AdamW's for the backup's).
@@ -165,6 +176,8 @@ class GefenMuonHybrid(Optimizer):
     #: swaps in its FSDP2 classes here (same constructor arguments).
     _muon_class: type[GefenMuon] = GefenMuon
     _gefen_class: type[Gefen] = Gefen
+    #: The class to name for DTensor parameters sharded over ranks (``None``: handled).
+    _sharded_alternative: str | None = "gefen_dist.ShardedGefenMuonHybrid"
 
     def __init__(
         self,
@@ -203,8 +216,10 @@ class GefenMuonHybrid(Optimizer):
         deterministic: bool = False,
         capturable: bool = False,
         backup_substrings: Iterable[str] | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         where = "GefenMuonHybrid"
+        _nonfinite.check_skip_option(skip_nonfinite, capturable, where)
         if backup_optimizer not in BACKUP_OPTIMIZERS:
             raise ValueError(
                 f"{where}: backup_optimizer must be 'gefen' or 'adamw', got {backup_optimizer!r}"
@@ -213,6 +228,7 @@ class GefenMuonHybrid(Optimizer):
         everything = muon_named + backup_list
         if not everything:
             raise ValueError(f"{where}: got no trainable parameters")
+        self._refuse_sharded(everything)
         if all(p.numel() == 0 for _, p in everything):
             raise ValueError(
                 f"{where}: every parameter has zero elements. This is the signature of "
@@ -287,6 +303,12 @@ class GefenMuonHybrid(Optimizer):
         self.muon = muon
         self.backup = backup
         self.backup_optimizer = backup_optimizer
+        # The halves never skip on their own: the hybrid decides for both (step()).
+        self._skip_nonfinite = skip_nonfinite
+        #: Steps that ``skip_nonfinite`` skipped since construction.
+        self.skipped_steps = 0
+        #: Whether the last ``step()`` was skipped by ``skip_nonfinite``.
+        self.last_step_skipped = False
         self._state_view = _RoutedState(self._children())
 
     _HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -447,11 +469,19 @@ class GefenMuonHybrid(Optimizer):
         self._backup_preflight()
         overflow, inv_scale = self._amp_decision()
         if overflow:
+            # The scaler found a non-finite gradient: with skip_nonfinite this is such a step.
+            if self._skip_nonfinite:
+                self.skipped_steps += 1
+                self.last_step_skipped = True
             return loss
         if inv_scale is not None:
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             _amp.unscale_(grads, inv_scale)
         if self._first_step_has_non_finite():
+            if self._skip_nonfinite:
+                self.skipped_steps += 1
+                self.last_step_skipped = True
+                return loss
             warnings.warn(
                 "GefenMuonHybrid: non-finite gradients on the step that would learn a codebook; "
                 "both halves skip this step (decision O9), so neither moves without the other",
@@ -461,6 +491,7 @@ class GefenMuonHybrid(Optimizer):
             self.muon._apply(entries)
         if self.backup is not None:
             self.backup.step()
+        self.last_step_skipped = False
         return loss
 
     def _amp_decision(self) -> tuple[bool, Any]:
@@ -470,14 +501,29 @@ class GefenMuonHybrid(Optimizer):
         return _amp.overflow_and_inverse_scale(self)
 
     def _first_step_has_non_finite(self) -> bool:
-        # A Gefen child defers codebook learning (and skips its step) on non-finite first
-        # gradients; decide that once for both halves instead of letting one half move alone.
+        """Whether this step is skipped for non-finite gradients, for both halves at once:
+        with ``skip_nonfinite`` any NaN or Inf gradient element skips it; otherwise only a
+        Gefen child that would learn its codebook now makes it skip (O9), so that neither half
+        moves without the other (docs/algorithm.md#non-finite-gradients)."""
         learning = [c for c in self._children()
                     if isinstance(c, Gefen) and c._codebook is None]
-        if not learning:
+        if not (learning or self._skip_nonfinite):
             return False
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        return not all(bool(torch.isfinite(g).all()) for g in grads)
+        return not _nonfinite.all_finite(grads)
+
+    def _refuse_sharded(self, named: list[tuple[str, Tensor]]) -> None:
+        """Refuse DTensors sharded over ranks, naming the class that steps them."""
+        if self._sharded_alternative is None:
+            return
+        for name, p in named:
+            placements = getattr(p, "placements", None)
+            if placements is not None and not all(pl.is_replicate() for pl in placements):
+                raise ValueError(
+                    f"{type(self).__name__}: parameter {name!r} is a DTensor sharded as "
+                    f"{tuple(placements)} (FSDP2 fully_shard or tensor parallel); its halves "
+                    "would learn rank-local codebooks and periods. Use "
+                    f"{self._sharded_alternative} (same arguments)")
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

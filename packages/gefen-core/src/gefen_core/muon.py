@@ -234,6 +234,7 @@ class GefenMuon(Gefen):
         normuon_beta2 (float, optional): β₂ⁿ in [0, 1) (default: 0.95)
         normuon_eps (float, optional): εⁿ, finite and > 0 (default: 1e-8)
         cautious (bool, optional): sign-agreement masking (default: False)
+        {skip_nonfinite}
 
     State:
         Per matrix ``R × C`` (``B = R·C / P`` blocks): ``step`` (fp32 0-dim), ``period`` (int),
@@ -260,6 +261,8 @@ class GefenMuon(Gefen):
     ``momentum`` must be < 1 and ``eps`` > 0; complex parameters are refused at construction
     (Muon raises at ``step()``); besides those, Gefen's differences from AdamW apply.
 
+    {nan_policy}
+
     References:
         Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024,
         https://kellerjordan.github.io/posts/muon/. Liu et al., "Muon is Scalable for LLM
@@ -271,6 +274,8 @@ class GefenMuon(Gefen):
 
     _pickled_attrs = Gefen._pickled_attrs + (
         "_muon_defaults", "_ns_args", "_ns_dtype", "_dense_momentum_for_testing")
+    # Sharded DTensors are refused by _check_sharded at step(), with the sharded_mode they need.
+    _sharded_alternative = None
 
     def __init__(
         self,
@@ -304,6 +309,7 @@ class GefenMuon(Gefen):
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
         cautious: bool = False,
+        skip_nonfinite: bool = False,
     ) -> None:
         where = "GefenMuon"
         # torch.optim.Muon's wording for these (Gefen's own checks would word them as AdamW's).
@@ -332,7 +338,7 @@ class GefenMuon(Gefen):
             maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused, factored_v_2d=False,
             stochastic_round=stochastic_round, deterministic=deterministic,
-            period_search=period_search,
+            period_search=period_search, skip_nonfinite=skip_nonfinite,
         )
         self.defaults.update(muon_defaults)
         if any(g["fp8_ns"] for g in self.param_groups) and not _fp8_visible():
@@ -469,12 +475,16 @@ class GefenMuon(Gefen):
             with torch.enable_grad():
                 loss = closure()
         entries = self._muon_preflight()
+        if self._skip_nonfinite and self._step_is_nonfinite():
+            self._record_skipped_step()
+            return loss
         overflow, inv_scale = _amp.overflow_and_inverse_scale(self)
         if overflow:
             return loss  # §1.14: nothing learned, counted or touched; T unchanged.
         if inv_scale is not None:
             _amp.unscale_([g for _, _, g, _ in entries], inv_scale)
         self._apply(entries)
+        self.last_step_skipped = False
         return loss
 
     def _prepare(self, entries: list[Entry]) -> list[Entry] | None:
@@ -852,7 +862,9 @@ def _with_flag_docs(doc: str) -> str:
     from . import _docs
 
     parts = {"maximize": _docs.MAXIMIZE_DOC, "foreach": _docs.FOREACH_DOC,
-             "capturable": _docs.CAPTURABLE_DOC, "differentiable": _docs.DIFFERENTIABLE_DOC}
+             "capturable": _docs.CAPTURABLE_DOC, "differentiable": _docs.DIFFERENTIABLE_DOC,
+             "skip_nonfinite": _docs.SKIP_NONFINITE_DOC,
+             "nan_policy": _docs.NAN_POLICY.replace("\n            ", "\n    ")}
     for key, text in parts.items():
         doc = doc.replace("{" + key + "}", text)
     return doc

@@ -7,8 +7,6 @@ the codebook solver in :mod:`gefen_core.codebook`, the period search in
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,37 +16,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _amp, _dispatch, _docs, _params, _steady_step
+from . import _amp, _dispatch, _docs, _nonfinite, _params, _seeds, _steady_step
+from ._seeds import _SALT_TABLES, _SEED_MIX, _to_signed64, mix_seed, name_salt  # noqa: F401
 from .functional import gefen as _gefen_functional
 
 __all__ = ["Gefen"]
 
-# Odd 64-bit constant multiplying the global step before the per-tensor salt is mixed in (O7).
-_SEED_MIX = 0xD1B54A32D192ED03
-_MASK64 = (1 << 64) - 1
-# Salts tables kept per optimizer for capturable steps (Gefen._fill_device_seeds): a training
-# loop steps one or a few lists of tensors; where the list changes every step, the rest mix
-# their seeds per tensor.
-_SALT_TABLES = 8
 # Chunk of codes re-mapped at once on a codebook refresh: 2**23 elements, §1.17 / Appendix A.
 _REMAP_CHUNK = 1 << 23
-
-
-def _to_signed64(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >= (1 << 63) else x
-
-
-@functools.lru_cache(maxsize=65536)
-def name_salt(name: str) -> int:
-    """Stable per-tensor salt (O7): the first 8 bytes of BLAKE2b of the parameter name."""
-    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
-
-
-def mix_seed(global_step: int, salt: int) -> int:
-    """The stochastic-rounding seed of one tensor in one step: ``(T * MIX) xor salt`` as a
-    signed 64-bit int (two's complement), the form the kernels take (contracts.md)."""
-    return _to_signed64(((global_step * _SEED_MIX) & _MASK64) ^ salt)
 
 
 class Gefen(Optimizer):
@@ -130,6 +105,7 @@ class Gefen(Optimizer):
         codebook_refresh_every (int, optional): relearn the codebook every this many steps
             from the current gradients and re-map all codes, §1.8.5; 0 = never, >= 0,
             optimizer-wide (default: 0)
+        {skip_nonfinite}
 
     Dispatch:
         {dispatch}
@@ -154,7 +130,10 @@ class Gefen(Optimizer):
         TypeError: a non-tensor parameter, a non-bool flag, a string ``period_one_substrings``.
         ValueError: invalid ``lr``/``betas``/``eps``/``weight_decay``/``period_search``/
             ``codebook_refresh_every``; complex or non-leaf parameters; a parameter listed
-            twice; an empty parameter list; ``capturable`` with ``codebook_refresh_every > 0``.
+            twice; an empty parameter list; ``capturable`` with ``codebook_refresh_every > 0``
+            or with ``skip_nonfinite``; a DTensor parameter sharded over ranks (FSDP2,
+            tensor parallel), here or at ``step()`` if it became one later, naming the
+            parameter: use ``gefen_dist.ShardedGefen`` (docs/algorithm.md#distributed).
         RuntimeError: ``differentiable=True``; ``amsgrad=True``; ``fused=True`` with
             ``foreach=True``; an explicit ``fused=True`` that some parameter cannot take
             (CPU, fp64, no Triton).
@@ -201,10 +180,12 @@ class Gefen(Optimizer):
         force_2d_period_one: bool = False,
         period_one_substrings: Iterable[str] = (),
         codebook_refresh_every: int = 0,
+        skip_nonfinite: bool = False,
     ) -> None:
         where = "Gefen"
         if not isinstance(deterministic, bool):
             raise TypeError(f"{where}: deterministic must be a bool, got {deterministic!r}")
+        _nonfinite.check_skip_option(skip_nonfinite, capturable, where)
         if (not isinstance(codebook_refresh_every, int) or isinstance(codebook_refresh_every, bool)
                 or codebook_refresh_every < 0):
             raise ValueError(
@@ -232,6 +213,11 @@ class Gefen(Optimizer):
 
         self._deterministic = deterministic
         self._codebook_refresh_every = codebook_refresh_every
+        self._skip_nonfinite = skip_nonfinite
+        #: Steps that ``skip_nonfinite`` skipped since construction.
+        self.skipped_steps = 0
+        #: Whether the last ``step()`` was skipped by ``skip_nonfinite``.
+        self.last_step_skipped = False
         self._global_step = 0
         self._codebook: Tensor | None = None
         self._init_runtime_caches()
@@ -275,6 +261,10 @@ class Gefen(Optimizer):
             param_group, defaults=self.defaults, groups=self.param_groups,
             implicit=getattr(self, "_building_implicit_group", False),
             refresh_every=self._codebook_refresh_every)
+        where = f"Gefen param group {len(self.param_groups)}"
+        _nonfinite.check_skip_option(self._skip_nonfinite, group["capturable"], where)
+        for t, name in zip(group["params"], group["param_names"]):
+            self._refuse_sharded(t, name)
         self.param_groups.append(group)
         self._steady = None
 
@@ -313,6 +303,39 @@ class Gefen(Optimizer):
     #: Whether DTensor 2-D parameters take the factored second moment (§1.11). Only a subclass
     #: whose :meth:`_factored_statistics` sums the shards' statistics may set it.
     _reduces_factored_stats: bool = False
+    #: The class to name when a parameter is a DTensor sharded over ranks, which this class
+    #: would step with a rank-local codebook and periods; ``None`` for a class that steps such
+    #: parameters correctly or refuses them itself (GefenMuon, the gefen_dist classes).
+    _sharded_alternative: str | None = "gefen_dist.ShardedGefen (same arguments)"
+
+    def _refuse_sharded(self, p: Tensor, name: str) -> None:
+        """Refuse a DTensor with a non-``Replicate`` placement (docs/algorithm.md#distributed).
+
+        Raises:
+            ValueError: naming the parameter, its placements and :attr:`_sharded_alternative`.
+        """
+        alternative = self._sharded_alternative
+        if alternative is None or not _dispatch.is_dtensor(p):
+            return
+        placements = tuple(p.placements)  # type: ignore[attr-defined]
+        if all(pl.is_replicate() for pl in placements):
+            return
+        raise ValueError(
+            f"{type(self).__name__}: parameter {name!r} is a DTensor sharded as {placements} "
+            "(FSDP2 fully_shard or tensor parallel). This class would learn its codebook and "
+            "block periods from each rank's shard alone, so every rank would train a "
+            f"different optimizer; use {alternative}")
+
+    def _step_is_nonfinite(self) -> bool:
+        """Whether some gradient of this step has a NaN or Inf element (``skip_nonfinite``,
+        docs/algorithm.md#non-finite-gradients). A distributed subclass agrees on it over the
+        ranks, so they all skip or all step."""
+        return not self._all_finite(_nonfinite.step_gradients(
+            p for _, p, _ in self._named_params()))
+
+    def _record_skipped_step(self) -> None:
+        self.skipped_steps += 1
+        self.last_step_skipped = True
 
     def _factored_statistics(
         self, entries: list[tuple[Tensor, Tensor, Tensor, Tensor, float, bool]],
@@ -413,20 +436,7 @@ class Gefen(Optimizer):
 
     @staticmethod
     def _all_finite(grads: list[Tensor]) -> bool:
-        # The max |g| of a gradient is finite exactly when every value is (a NaN propagates
-        # through the norm, an Inf is its own maximum), so one multi-tensor inf-norm per
-        # (device, dtype) replaces isfinite().all() per tensor, about five launches each (6-12
-        # ms of a Llama-3.2-1B-shaped first step on an H200). One host read per device. An
-        # empty gradient is finite, and has no inf-norm.
-        lists: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for g in grads:
-            if g.numel():
-                lists.setdefault((g.device, g.dtype), []).append(g)
-        flags: dict[torch.device, list[Tensor]] = {}
-        for (device, _), members in lists.items():
-            norms = torch._foreach_norm(members, float("inf"))
-            flags.setdefault(device, []).append(torch.isfinite(torch.stack(norms)).all())
-        return all(bool(torch.stack(f).all()) for f in flags.values())
+        return _nonfinite.all_finite(grads)
 
     def _learn(self, entries: list[tuple[dict[str, Any], Tensor, Tensor, str]],
                periods: dict[Tensor, int]) -> Tensor:
@@ -487,6 +497,8 @@ class Gefen(Optimizer):
         """§1.6 C: check every gradient before any mutation; returns (group, p, grad, name)."""
         entries = []
         for group, p, name in self._named_params():
+            # Every parameter, with a gradient or not, so every rank refuses alike.
+            self._refuse_sharded(p, name)
             g = p.grad
             if g is None:
                 continue
@@ -623,32 +635,7 @@ class Gefen(Optimizer):
 
     def _fill_device_seeds(self, dev: torch.device,
                            slots: list[tuple[list[Any], int, int]]) -> None:
-        """The capturable seeds ``(T * MIX) xor salt`` of one device's tensors (§1.9, O7) from
-        its device step count: one launch for all of them (a graph replays every launch of the
-        step, so ~2 per tensor would cost more than GPT-2's kernels), the same values as one
-        tensor at a time. Each slot ``(list, index, salt)`` gets a ``[1]`` view."""
-        t_dev = self._device_step(dev)
-        salts = tuple(salt for _, _, salt in slots)
-        key = (dev, salts)
-        table = self._salt_tensors.get(key)
-        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if table is None and not capturing and len(self._salt_tensors) < _SALT_TABLES:
-            # A host copy cannot be captured: a graph captured without an eager step over the
-            # same tensors first (torch's recipe warms up), or past the table limit, mixes the
-            # seeds one by one below (the same values, two launches per tensor).
-            host = torch.tensor([_to_signed64(s) for s in salts], dtype=torch.int64)
-            table = torch.empty_like(host, device=dev)
-            pinned = dev.type == "cuda"
-            table.copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
-            self._salt_tensors[key] = table
-        if table is not None:
-            seeds = torch.bitwise_xor(t_dev * _to_signed64(_SEED_MIX), table)
-            views = [seeds[i:i + 1] for i in range(len(slots))]
-        else:
-            views = [torch.bitwise_xor(t_dev * _to_signed64(_SEED_MIX), _to_signed64(salt))
-                     .reshape(1) for salt in salts]
-        for (seed_list, at, _), view in zip(slots, views):
-            seed_list[at] = view
+        _seeds.fill_device_seeds(self, dev, slots)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -671,9 +658,13 @@ class Gefen(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._skip_nonfinite and self._step_is_nonfinite():
+            self._record_skipped_step()
+            return loss
         if self._steady is not None:
             # The recorded launches take betas as numbers: tensor betas take the full step.
             if not self._has_tensor_betas() and self._steady.run(self):
+                self.last_step_skipped = False
                 return loss
             self._steady = None
         entries = self._preflight()
@@ -731,7 +722,7 @@ class Gefen(Optimizer):
             lr = group["lr"] if group["capturable"] else self._host_lr(group["lr"])
             for path, lists in by_path.items():
                 # Lists are split by device only through the codebook copy they share.
-                for dev_lists in _split_by_device(lists):
+                for dev_lists in _dispatch.split_by_device(lists):
                     _gefen_functional(
                         dev_lists["params"], dev_lists["grads"], dev_lists["codes"],
                         dev_lists["scales"], dev_lists["sqs"], dev_lists["rows"],
@@ -749,8 +740,9 @@ class Gefen(Optimizer):
         for t in self._device_global_step.values():
             t.add_(1)
         self._global_step += 1
+        self.last_step_skipped = False
         self._steady = None if self._has_tensor_betas() \
-            else _steady_step.build(self, inits, live, stepped, _split_by_device)
+            else _steady_step.build(self, inits, live, stepped, _dispatch.split_by_device)
         return loss
 
     def _has_tensor_betas(self) -> bool:
@@ -848,7 +840,8 @@ class Gefen(Optimizer):
     #: ``state`` and ``param_groups`` (hooks are dropped, as torch.optim drops them; runtime
     #: caches are rebuilt). A subclass with attributes of its own extends the tuple.
     _pickled_attrs: tuple[str, ...] = (
-        "_global_step", "_codebook", "_deterministic", "_codebook_refresh_every")
+        "_global_step", "_codebook", "_deterministic", "_codebook_refresh_every",
+        "_skip_nonfinite", "skipped_steps", "last_step_skipped")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -863,29 +856,18 @@ class Gefen(Optimizer):
         state.setdefault("_codebook", None)
         state.setdefault("_deterministic", False)
         state.setdefault("_codebook_refresh_every", 0)
+        state.setdefault("_skip_nonfinite", False)
+        state.setdefault("skipped_steps", 0)
+        state.setdefault("last_step_skipped", False)
         super().__setstate__(state)
         self._init_runtime_caches()
-
-
-def _split_by_device(lists: dict[str, list[Any]]) -> list[dict[str, list[Any]]]:
-    params = lists["params"]
-    if params and all(p.device == params[0].device for p in params):
-        return [lists]  # the usual case: no per-element regrouping
-    devices: dict[torch.device, dict[str, list[Any]]] = {}
-    n = len(lists["params"])
-    for i in range(n):
-        dev = lists["params"][i].device
-        out = devices.setdefault(dev, {k: [] for k in lists})
-        for k, v in lists.items():
-            if v:
-                out[k].append(v[i])
-    return list(devices.values())
 
 
 Gefen.__doc__ = _docs.interpolate(
     Gefen.__doc__ or "",
     maximize=_docs.MAXIMIZE_DOC, foreach=_docs.FOREACH_DOC, capturable=_docs.CAPTURABLE_DOC,
     differentiable=_docs.DIFFERENTIABLE_DOC, fused=_docs.FUSED_DOC,
+    skip_nonfinite=_docs.SKIP_NONFINITE_DOC,
     # The shared texts are indented for an Args entry; re-indent them for their sections.
     dispatch=_docs.DISPATCH_RULE.replace("\n            ", "\n        "),
     nan_policy=_docs.NAN_POLICY.replace("\n            ", "\n    "),

@@ -82,6 +82,7 @@ def gefen_inputs(device: str) -> list[OptimizerInput]:
         OptimizerInput({"foreach": True}, "foreach"),
         OptimizerInput({"foreach": False}, "for_loop"),
         OptimizerInput({"codebook_refresh_every": 2}, "refresh"),
+        OptimizerInput({"skip_nonfinite": True}, "skip_nonfinite"),
     ]
 
 
@@ -115,6 +116,9 @@ def gefen_error_inputs(device: str) -> list[ErrorOptimizerInput]:
         E({"codebook_refresh_every": -1}, ValueError, "codebook_refresh_every", "refresh_neg"),
         E({"capturable": True, "codebook_refresh_every": 5}, ValueError,
           "capturable=True", "capturable_refresh"),
+        E({"skip_nonfinite": "yes"}, TypeError, "skip_nonfinite must be a bool", "skip_str"),
+        E({"capturable": True, "skip_nonfinite": True}, ValueError, "capturable",
+          "capturable_skip"),
         E({}, ValueError, "empty parameter list", "empty_params", params=lambda: []),
         E({}, TypeError, "^optimizer can only optimize Tensors", "non_tensor",
           params=lambda: [1.0]),

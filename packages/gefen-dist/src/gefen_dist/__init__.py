@@ -22,11 +22,12 @@ from .capabilities import (
     capabilities_of,
     check_capabilities,
     detect_layouts,
+    instance_capabilities,
     register_capabilities,
 )
 from .dcp import GefenDCPState, GefenSavePlanner, GefenStager
 from .offload import move_state_, offload_state_, restore_state_, state_offload_active
-from .sharded import ShardedGefen, aligned_period
+from .sharded import ShardedGefen, aligned_period, sharded_period
 from .sharded_muon import ShardedGefenMuon, ShardedGefenMuonHybrid
 
 __all__ = [
@@ -49,9 +50,11 @@ __all__ = [
     "check_capabilities",
     "check_grad_presence",
     "detect_layouts",
+    "instance_capabilities",
     "move_state_",
     "offload_state_",
     "register_capabilities",
     "restore_state_",
+    "sharded_period",
     "state_offload_active",
 ]

@@ -3,7 +3,7 @@
 A ``Shard(0)`` parameter of global shape ``[R, ...]`` (``row_numel = prod(shape[1:])``) keeps,
 on each rank, compact state for its local rows: codes uint8 ``[B, P]`` and per-block fp32
 ``[B, 1]`` tensors (``B = local_numel / P``), with blocks that never straddle a shard boundary
-(:func:`gefen_dist.sharded.aligned_period`). This module maps that state to tensors whose
+(:func:`gefen_dist.sharded.sharded_period`). This module maps that state to tensors whose
 dim 0 is the parameter's row dimension, so they chunk across ranks exactly like the parameter:
 
 * codes: the parameter's own shape (uint8), a pure reshape;

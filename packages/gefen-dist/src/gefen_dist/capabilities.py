@@ -29,6 +29,7 @@ __all__ = [
     "capabilities_of",
     "check_capabilities",
     "detect_layouts",
+    "instance_capabilities",
     "register_capabilities",
 ]
 
@@ -233,18 +234,31 @@ def check_capabilities(
 ) -> Capabilities:
     """Fail before training if ``optimizer`` cannot do ``layout`` and ``transport``.
 
+    Given an optimizer *instance*, the check also covers what the instance actually is:
+
+    * the layouts its parameters are in (:func:`detect_layouts`) are checked as well as
+      ``layout``, so ``check_capabilities(opt)`` with no arguments refuses, say, plain
+      ``Gefen`` on FSDP2 shards;
+    * the instance's options narrow the transports (:func:`instance_capabilities`: a
+      ``capturable=True`` group has no ``GefenDCPState`` transport), so a transport passed
+      here is one its checkpoint code accepts.
+
+    A class is checked against its declaration alone.
+
     Args:
         optimizer: optimizer instance or class.
         layout: the training layout the integration is about to use, or ``None``.
         transport: the checkpoint transport it is about to use, or ``None``.
 
     Returns:
-        The optimizer's :class:`Capabilities`.
+        The :class:`Capabilities` that hold for ``optimizer`` (narrowed for an instance).
 
     Raises:
-        ValueError: ``layout`` or ``transport`` is not a known value.
+        ValueError: ``layout`` or ``transport`` is not a known value, or a parameter is a
+            DTensor with a placement no Gefen optimizer supports (:func:`detect_layouts`).
         UnsupportedCombinationError: the class declares no capabilities, or does not support the
-            layout or transport; the message lists what it supports and the alternative.
+            layout (given or detected) or transport; the message lists what it supports and the
+            alternative.
     """
     lay = None if layout is None else Layout(layout)
     tra = None if transport is None else Transport(transport)
@@ -256,13 +270,20 @@ def check_capabilities(
             "gefen_dist.register_capabilities(cls, Capabilities(...)) or use a gefen_core "
             "optimizer"
         )
+    layouts = [] if lay is None else [lay]
+    if not isinstance(optimizer, type):
+        caps = instance_capabilities(optimizer, caps)
+        detected = detect_layouts(_parameters_of(optimizer))
+        layouts += sorted(detected - set(layouts), key=lambda x: x.value)
     problems = []
-    if lay is not None and lay not in caps.layouts:
-        supported = sorted(x.value for x in caps.layouts)
-        hint = caps.hints.get(lay, f"use one of the supported layouts {supported}")
-        problems.append(
-            f"layout {lay.value!r} is not supported (supported: {supported}); {hint}"
-        )
+    for one in layouts:
+        if one not in caps.layouts:
+            supported = sorted(x.value for x in caps.layouts)
+            hint = caps.hints.get(one, f"use one of the supported layouts {supported}")
+            found = "" if one == lay else " (detected from its parameters)"
+            problems.append(
+                f"layout {one.value!r}{found} is not supported (supported: {supported}); {hint}"
+            )
     if tra is not None and tra not in caps.transports:
         supported = sorted(x.value for x in caps.transports)
         hint = caps.hints.get(tra, f"use one of the supported transports {supported}")
@@ -273,6 +294,42 @@ def check_capabilities(
     if problems:
         raise UnsupportedCombinationError(f"{cls.__qualname__}: " + " | ".join(problems))
     return caps
+
+
+def _parameters_of(optimizer: Any) -> list[Any]:
+    groups = getattr(optimizer, "param_groups", None) or []
+    return [p for g in groups for p in g.get("params", ())]
+
+
+_CAPTURABLE_DCP_HINT = (
+    "a capturable=True param group keeps its counters on the device for graph capture, which "
+    "GefenDCPState does not save; construct the optimizer with capturable=False for "
+    "reshardable checkpoints, or use the native transport"
+)
+
+
+def instance_capabilities(optimizer: Any, caps: Capabilities | None = None) -> Capabilities:
+    """The capabilities of one optimizer instance: its class's, narrowed by its options.
+
+    A ``capturable=True`` param group removes the ``GefenDCPState`` transports
+    (``dcp_reshard_exact``, ``dcp_reshard_approx``), with a hint naming the fix.
+
+    Raises:
+        UnsupportedCombinationError: the class declares no capabilities (and none are given).
+    """
+    if caps is None:
+        caps = capabilities_of(optimizer)
+        if caps is None:
+            raise UnsupportedCombinationError(
+                f"{type(optimizer).__qualname__} declares no gefen capabilities")
+    groups = getattr(optimizer, "param_groups", None) or []
+    if not any(g.get("capturable") is True for g in groups):
+        return caps
+    dcp = {Transport.DCP_RESHARD_EXACT, Transport.DCP_RESHARD_APPROX}
+    hints = dict(caps.hints)
+    for t in dcp & caps.transports:
+        hints[t] = _CAPTURABLE_DCP_HINT
+    return Capabilities(layouts=caps.layouts, transports=caps.transports - dcp, hints=hints)
 
 
 def detect_layouts(params: Iterable[Any]) -> frozenset[Layout]:

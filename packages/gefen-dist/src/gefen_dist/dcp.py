@@ -9,29 +9,36 @@ Pass it to ``dcp.save`` / ``dcp.load`` in place of the optimizer::
     state = GefenDCPState(model, optimizer)          # any world size
     dcp.load({"model": model.state_dict(), "optim": state}, checkpoint_id=path)
 
-What is written (ALGORITHM.md §6.1, adapted to a global codebook and global periods): per
-parameter (keyed by its fully qualified name in ``model``) the dense fp32 momentum
-``c[q] * s`` and the dense fp32 second moment (each block's value repeated over its elements),
-both shaped and sharded like the parameter, so DCP reshards them natively; the counters, the
-period in use and the unaligned period-search result; the codebook, ``T`` and the
-hyperparameters of every group. A factored ``ShardedGefen`` matrix (§1.11) writes its
-statistics instead of the dense second moment: ``exp_avg_sq_row`` fp32 ``[R]`` sharded like
-the rows and ``exp_avg_sq_col`` fp32 ``[C]`` (replicated, identical on every rank); both are
-exact functions of the global matrix, so any topology restores them bit for bit.
+What is written (format version 2, docs/algorithm.md#checkpoint-format), per parameter keyed
+by its fully qualified name in ``model``, in forms that depend neither on the blocks nor on the
+saving optimizer's mode (:mod:`gefen_dist._dense`): the dense fp32 momentum ``c[q] * s``; the
+dense fp32 second moment each element was stepped with (a block's value repeated over its
+elements, or ``r_i k_j / rbar`` for a factored matrix), both shaped and sharded like the
+parameter so DCP reshards them natively; and, for every 2-D parameter, ``exp_avg_sq_row`` fp32
+``[R]`` (sharded like the rows) and ``exp_avg_sq_col`` fp32 ``[C]`` (replicated, identical on
+every rank): the factored statistics, or the row and column means of a per-block second moment.
+Then the counters, the period in use, the period-search result and the mode (``factored``); the
+codebook, ``T`` and the hyperparameters of every group. Every checkpoint has the same keys, so
+any optimizer of this transport loads any checkpoint of it (plain ``Gefen`` in one process,
+``ShardedGefen`` on any number of ranks, factored or not), and DCP never meets a missing key.
 
-Loading re-blocks each local shard with the period the live optimizer would use for the new
-topology (:func:`gefen_dist.sharded.aligned_period` of the saved search period) and the *saved*
-codebook: ``s_b = max|m|``, ``q = nearest(m / s_b)``, ``v_b`` = the fp64 mean over the block.
-When the new period equals the saved one (block-aligned), this restores the codes, scales and
-second moments bit for bit (the block maximum is an element ``±s`` exactly, and ``m / s``
-lies within an ulp of its codeword, far closer than any other codeword). Otherwise the
-momentum is re-quantized (error of one 256-level quantization) and a new block's second
-moment is the mean of the source blocks it overlaps: exact up to fp32 rounding when it is a
-union of whole source blocks, the flat source value when it lies inside one, a weighted mean
-when it straddles (``docs/checkpoints.md`` lists the measured errors).
+Loading re-blocks each local shard with the *saved* codebook and the saved period wherever its
+blocks tile the new shards (:func:`gefen_dist.sharded.period_tiles`), else the period the live
+optimizer would use (:func:`gefen_dist.sharded.sharded_period` of the saved search result):
+``s_b = max|m|``, ``q = nearest(m / s_b)``, ``v_b`` = the fp64 mean over the block. With the
+saved period this restores the codes, scales and second moments bit for bit (the block maximum
+is an element ``±s`` exactly, and ``m / s`` lies within an ulp of its codeword, far closer than
+any other codeword); a factored matrix's ``r`` and ``k`` are restored exactly on any topology.
+Otherwise the momentum is re-quantized (error of one 256-level quantization) and a new block's
+second moment is the mean of the source blocks it overlaps: exact up to fp32 rounding when it
+is a union of whole source blocks, the flat source value when it lies inside one, a weighted
+mean when it straddles. A matrix saved in the other mode is converted (a warning says so): a
+per-block loader averages ``r_i k_j / rbar`` over its blocks, a factored loader takes the row
+and column means (``docs/checkpoints.md`` lists the measured errors).
 
 Every collective is entered by all ranks; every rank-local check is agreed first, and a load
-is validated completely on every rank before any rank commits (§8 item 5).
+is validated completely on every rank before any rank commits
+(docs/algorithm.md#distributed).
 """
 
 from __future__ import annotations
@@ -52,8 +59,22 @@ from gefen_core import Gefen
 from gefen_core import _dispatch as _core_dispatch
 
 from ._agree import agreed, collective_device
-from .capabilities import Transport, check_capabilities, detect_layouts
-from .sharded import SEARCH_PERIODS_KEY, aligned_period, narrow_staged_rows, rows_for_staging
+from ._dense import (
+    dense_block_values,
+    dense_momentum,
+    factored_dense,
+    matrix_partials,
+    matrix_stats,
+    reblock,
+)
+from .capabilities import Transport, check_capabilities
+from .sharded import (
+    SEARCH_PERIODS_KEY,
+    narrow_staged_rows,
+    period_tiles,
+    rows_for_staging,
+    sharded_period,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -66,9 +87,7 @@ __all__ = [
     "async_stager_supported",
 ]
 
-FORMAT_VERSION = 1
-#: Elements dequantized at once when building a dense tensor (bounds the int64 index copy).
-_CHUNK = 1 << 22
+FORMAT_VERSION = 2
 _GROUP_HYPERS = ("lr", "betas", "eps", "weight_decay", "maximize", "stochastic_round",
                  "period_search", "force_1d_period_one", "force_2d_period_one",
                  "period_one_substrings")
@@ -82,42 +101,6 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
-def dense_momentum(codes: Tensor, scale: Tensor, codebook: Tensor,
-                   local_shape: tuple[int, ...]) -> Tensor:
-    """fp32 ``c[q] * s`` in the local parameter shape, dequantized in chunks of whole blocks."""
-    blocks, period = codes.shape
-    out = torch.empty(blocks, period, dtype=torch.float32, device=codes.device)
-    cb = codebook.to(device=codes.device, dtype=torch.float32)
-    step = max(1, _CHUNK // max(period, 1))
-    for b in range(0, blocks, step):
-        q = codes[b:b + step].long()
-        torch.mul(cb[q], scale[b:b + step], out=out[b:b + step])
-    return out.reshape(local_shape)
-
-
-def dense_block_values(values: Tensor, period: int, local_shape: tuple[int, ...]) -> Tensor:
-    """fp32 ``[B, 1]`` -> each block's value repeated over its ``period`` elements."""
-    return values.to(torch.float32).expand(-1, period).reshape(local_shape).contiguous()
-
-
-def reblock(momentum: Tensor, second_moment: Tensor, period: int,
-            codebook: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Dense local fp32 momentum and second moment -> ``(codes, scale, exp_avg_sq)``.
-
-    ``s_b = max|m|``, ``q = nearest(m / s_b)`` (0 where ``s_b = 0``), ``v_b`` = the mean of the
-    dense second moment over the block, accumulated in fp64 (exact for a block of equal values).
-    """
-    from gefen_kernels.ops.quantize import quantize_nearest_reference
-
-    m = momentum.reshape(-1, period).to(torch.float32)
-    scale = m.abs().amax(dim=1, keepdim=True) if m.numel() else m.new_zeros(0, 1)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    z = torch.where(scale > 0, m / safe, torch.zeros_like(m))
-    codes = quantize_nearest_reference(z, codebook.to(m.device)).reshape(-1, period)
-    v = second_moment.reshape(-1, period).to(torch.float64).mean(dim=1, keepdim=True)
-    return codes.to(torch.uint8).contiguous(), scale.contiguous(), v.to(torch.float32)
-
-
 class GefenDCPState(Stateful):
     """A DCP ``Stateful`` holding a Gefen optimizer's state in its global, reshardable layout.
 
@@ -126,10 +109,11 @@ class GefenDCPState(Stateful):
             checkpoint key (fully qualified name), exactly like
             ``get_optimizer_state_dict``. Under FSDP2 pass the sharded module.
         optimizer: a :class:`gefen_dist.ShardedGefen` (DTensor ``Shard(0)`` parameters on any
-            number of ranks, block or factored second moment) or a plain
-            :class:`gefen_core.Gefen` on plain parameters (one process, or replicas).
-            ``capturable=False``; plain ``Gefen``'s 2-D parameters need ``factored_v_2d=False``.
-            Save and load must use the same ``factored_v_2d``.
+            number of ranks) or a plain :class:`gefen_core.Gefen` on plain parameters (one
+            process, or replicas), block or factored second moment, ``capturable=False``. A
+            checkpoint of either loads into the other, on any number of ranks, with any
+            ``factored_v_2d`` (the second moment of a matrix is converted, approximately, when
+            the saving and the loading optimizer step it in different forms; a warning says so).
         process_group: group for the agreement collectives (default: the parameters' mesh
             group or the default group).
 
@@ -143,10 +127,11 @@ class GefenDCPState(Stateful):
     allocates the dense destinations of all parameters (8 B/param) before re-blocking.
 
     Raises:
-        gefen_dist.UnsupportedCombinationError: the optimizer cannot use this transport with
-            its parameter layout (e.g. plain ``Gefen`` on DTensor parameters).
-        ValueError: an optimizer parameter that ``model`` does not contain, duplicate names,
-            ``capturable=True``, or factored plain 2-D parameters.
+        TypeError: ``optimizer`` is not a ``gefen_core.Gefen``.
+        gefen_dist.UnsupportedCombinationError: the optimizer cannot use this transport
+            (:func:`gefen_dist.check_capabilities`): its class (the Muon family), its
+            parameters' layout, or ``capturable=True``; the message names the alternative.
+        ValueError: an optimizer parameter that ``model`` does not contain, or duplicate names.
     """
 
     def __init__(self, model: nn.Module, optimizer: Gefen, *,
@@ -158,26 +143,17 @@ class GefenDCPState(Stateful):
                 "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict"
             )
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        for layout in detect_layouts(params):
-            check_capabilities(optimizer, layout=layout, transport=Transport.DCP_RESHARD_EXACT)
+        # The layouts the parameters are in and the instance's options (capturable), checked
+        # against this transport before anything is read or written.
+        check_capabilities(optimizer, transport=Transport.DCP_RESHARD_EXACT)
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._names: list[str] = []
-        for gi, g in enumerate(optimizer.param_groups):
-            if g["capturable"]:
-                raise ValueError(
-                    f"GefenDCPState: param group {gi} has capturable=True; construct the "
-                    "optimizer with capturable=False for reshardable checkpoints (or use the "
-                    "native transport)")
+        for g in optimizer.param_groups:
             for p, pname in zip(g["params"], g["param_names"]):
                 if id(p) not in names:
                     raise ValueError(
                         f"GefenDCPState: optimizer parameter {pname!r} is not a parameter of "
                         "the given model; pass the module the optimizer was built from")
-                if g["factored_v_2d"] and p.ndim == 2 and not _is_dtensor(p):
-                    raise ValueError(
-                        f"GefenDCPState: parameter {pname!r} uses the factored second moment "
-                        "(a plain 2-D parameter with factored_v_2d=True), which has no dense "
-                        "per-shard form; construct Gefen with factored_v_2d=False")
                 self._names.append(names[id(p)])
         if len(set(self._names)) != len(self._names):
             raise ValueError("GefenDCPState: two optimizer parameters share a model name")
@@ -189,6 +165,7 @@ class GefenDCPState(Stateful):
         self._group = group
         self._lazy_next = False
         self._lazy: dict[tuple[str, str], Callable[[], Tensor]] = {}
+        self._converted: list[str] = []
 
     # ------------------------------------------------------------------ helpers
     def _distributed(self) -> bool:
@@ -198,10 +175,15 @@ class GefenDCPState(Stateful):
     def _world(self) -> int:
         return dist.get_world_size(self._group) if self._distributed() else 1
 
-    def _new_period(self, p: Tensor, search_period: int) -> int:
-        if _is_dtensor(p):
-            return aligned_period(search_period, tuple(p.shape), p.device_mesh.size())
-        return search_period
+    def _load_period(self, p: Tensor, saved: int, search: int) -> int:
+        """The period a load gives ``p``: the saved one wherever its blocks tile the local
+        shards of this layout (so the state comes back bit for bit), else what the live
+        optimizer would choose from the search result (docs/algorithm.md#resharding)."""
+        shape = tuple(p.shape)
+        world = p.device_mesh.size() if _is_dtensor(p) else 1
+        if period_tiles(saved, shape, world):
+            return saved
+        return sharded_period(search or saved, shape, world)
 
     def _search_period_of(self, gi: int, i: int, period: int) -> int:
         periods = self._opt.param_groups[gi].get(SEARCH_PERIODS_KEY)
@@ -291,17 +273,50 @@ class GefenDCPState(Stateful):
                   "world_size": self._world(), "param_groups": groups}
         if self._distributed():
             self._agree_digest(header, meta_slots, cb)
+        stats = self._matrix_stats(meta_slots)
         self._lazy = {}
         slots: dict[str, Any] = {}
-        for name, p, meta in zip(self._names, self._params, meta_slots):
+        for name, p, meta, st in zip(self._names, self._params, meta_slots, stats):
             meta["name"] = name
-            momentum, second = self._dense_pair(p, meta, cb, lazy)
+            momentum, second = self._dense_pair(p, meta, cb, lazy, st)
             slots[name] = {
-                "initialized": meta["initialized"], "step": meta["step"],
-                "exp_avg_sq_step": meta["exp_avg_sq_step"], "period": meta["period"],
-                "search_period": meta["search_period"], "momentum": momentum, **second,
+                "initialized": meta["initialized"], "factored": meta["factored"],
+                "step": meta["step"], "exp_avg_sq_step": meta["exp_avg_sq_step"],
+                "period": meta["period"], "search_period": meta["search_period"],
+                "momentum": momentum, **second,
             }
         return {"header": header, "codebook": cb, "slots": slots}
+
+    def _matrix_stats(self, metas: list[dict[str, Any]],
+                      ) -> list[tuple[Tensor, Tensor, float] | None]:
+        """``(row, col, inv_rbar)`` of every 2-D slot (``None`` for the others), from this
+        rank's partial sums and one fp64 all-reduce over the ranks (collective when
+        distributed: every rank lists the same slots in the same order, agreed above)."""
+        parts: list[tuple[Tensor, Tensor] | None] = []
+        for p, meta in zip(self._params, metas):
+            if not meta["matrix"]:
+                parts.append(None)
+                continue
+            parts.append(matrix_partials(meta["state"], meta["factored"], meta["period"],
+                                         meta["local_shape"], int(p.shape[1])))
+        # Only row shards hold part of a matrix; a plain parameter (one process, or a replica)
+        # holds all of it.
+        sharded = [i for i, (p, part) in enumerate(zip(self._params, parts))
+                   if part is not None and _is_dtensor(p)]
+        totals = {i: part[1] for i, part in enumerate(parts) if part is not None}
+        if sharded and self._distributed():
+            flat = torch.cat([totals[i] for i in sharded]).to(collective_device(self._group))
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group)
+            for i, t in zip(sharded, flat.cpu().split([totals[i].numel() for i in sharded])):
+                totals[i] = t
+        out: list[tuple[Tensor, Tensor, float] | None] = []
+        for i, (p, meta, part) in enumerate(zip(self._params, metas, parts)):
+            if part is None:
+                out.append(None)
+                continue
+            out.append(matrix_stats(meta["state"], meta["factored"], part[0], totals[i],
+                                    int(p.shape[0]), int(p.shape[1])))
+        return out
 
     def _slot_meta(self, gi: int, i: int, p: Tensor, pname: str) -> dict[str, Any]:
         st = self._opt.state.get(p, {})
@@ -323,7 +338,8 @@ class GefenDCPState(Stateful):
             return {"initialized": False, "step": 0, "exp_avg_sq_step": 0,
                     "period": int(st.get("period", 0)),
                     "search_period": self._search_period_of(gi, i, int(st.get("period", 0))),
-                    "state": None, "local_shape": tuple(local.shape), "factored": factored}
+                    "state": None, "local_shape": tuple(local.shape), "factored": factored,
+                    "matrix": p.ndim == 2}
         period = int(st["period"])
         codes, scale = st["exp_avg_codes"], st["exp_avg_scale"]
         blocks = local.numel() // period if period else -1
@@ -348,7 +364,7 @@ class GefenDCPState(Stateful):
         return {"initialized": True, "step": step, "exp_avg_sq_step": sq_step,
                 "period": period, "search_period": self._search_period_of(gi, i, period),
                 "state": (codes, scale, *(st[k] for k in second_keys)),
-                "local_shape": tuple(local.shape), "factored": factored}
+                "local_shape": tuple(local.shape), "factored": factored, "matrix": p.ndim == 2}
 
     @staticmethod
     def _group_hypers(g: dict[str, Any]) -> dict[str, Any]:
@@ -389,76 +405,59 @@ class GefenDCPState(Stateful):
             if error is not None:
                 raise error
 
-    def _dense_pair(self, p: Tensor, meta: dict[str, Any], codebook: Tensor,
-                    lazy: bool) -> tuple[Tensor, dict[str, Tensor]]:
-        """The dense momentum and the second-moment entries of one slot."""
-        if meta["factored"]:
-            return self._factored_pair(p, meta, codebook, lazy)
-        momentum, second = self._dense_block_pair(p, meta, codebook, lazy)
-        return momentum, {"exp_avg_sq": second}
-
-    def _factored_pair(self, p: Tensor, meta: dict[str, Any], codebook: Tensor,
-                       lazy: bool) -> tuple[Tensor, dict[str, Tensor]]:
+    def _dense_pair(self, p: Tensor, meta: dict[str, Any], codebook: Tensor, lazy: bool,
+                    stats: tuple[Tensor, Tensor, float] | None,
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """One slot's dense momentum and its second-moment entries (:mod:`gefen_dist._dense`):
+        ``exp_avg_sq`` like the parameter, plus ``exp_avg_sq_row``/``exp_avg_sq_col`` for a
+        matrix. With ``lazy`` the dense tensors are zero-storage placeholders on the meta
+        device, built from CPU snapshots taken now when the planner asks for them."""
         shape = meta["local_shape"]
         local = _local(p)
+        state = meta["state"]
         dev = torch.device("cpu") if lazy else local.device
-        if meta["state"] is None:
-            row = torch.zeros(shape[0], dtype=torch.float32, device=dev)
-            col = torch.zeros(p.shape[1], dtype=torch.float32, device=dev)
-        else:
+        second: dict[str, Tensor] = {}
+        if stats is not None:
+            row, col, inv_rbar = stats
             # Copies: a save must not alias live state (training may continue during a write).
-            row, col = (t.detach().to(dev, copy=True) for t in meta["state"][2:])
-        second = {"exp_avg_sq_row": self._wrap_rows(p, row), "exp_avg_sq_col": col}
-        if not lazy:
-            if meta["state"] is None:
-                m = torch.zeros(shape, dtype=torch.float32, device=local.device)
-            else:
-                m = dense_momentum(meta["state"][0], meta["state"][1], codebook, shape)
-            return self._wrap(p, m), second
-        if meta["state"] is None:
+            row = row.detach().to(dev, torch.float32, copy=True)
+            col = col.detach().to(dev, torch.float32, copy=True)
+            second["exp_avg_sq_row"] = self._wrap_rows(p, row)
+            second["exp_avg_sq_col"] = col
+        if state is None:
             def make_m() -> Tensor:
-                return torch.zeros(shape, dtype=torch.float32)
-        else:
-            codes, scale = (t.detach().to("cpu", copy=True) for t in meta["state"][:2])
-
-            def make_m() -> Tensor:
-                return dense_momentum(codes, scale, codebook, shape)
-        self._lazy[(meta["name"], "momentum")] = make_m
-        return self._wrap(p, torch.empty(shape, dtype=torch.float32, device="meta")), second
-
-    def _dense_block_pair(self, p: Tensor, meta: dict[str, Any], codebook: Tensor,
-                          lazy: bool) -> tuple[Tensor, Tensor]:
-        shape = meta["local_shape"]
-        local = _local(p)
-        if not lazy:
-            if meta["state"] is None:
-                zeros = torch.zeros(shape, dtype=torch.float32, device=local.device)
-                return self._wrap(p, zeros), self._wrap(p, zeros.clone())
-            codes, scale, sq = meta["state"]
-            m = dense_momentum(codes, scale, codebook, shape)
-            v = dense_block_values(sq, meta["period"], shape)
-            return self._wrap(p, m), self._wrap(p, v)
-        # Placeholders on the meta device: a planner that does not know them fails loudly
-        # instead of writing garbage. Their data comes from a CPU snapshot taken now.
-        if meta["state"] is None:
-            def make_m() -> Tensor:
-                return torch.zeros(shape, dtype=torch.float32)
+                return torch.zeros(shape, dtype=torch.float32, device=dev)
             make_v = make_m
         else:
-            codes, scale, sq = (t.detach().to("cpu", copy=True) for t in meta["state"])
-            period = meta["period"]
+            codes, scale = state[0], state[1]
+            if lazy:
+                codes, scale = (t.detach().to("cpu", copy=True) for t in (codes, scale))
 
             def make_m() -> Tensor:
                 return dense_momentum(codes, scale, codebook, shape)
 
-            def make_v() -> Tensor:
-                return dense_block_values(sq, period, shape)
+            if meta["factored"]:
+                assert stats is not None
+
+                def make_v() -> Tensor:
+                    return factored_dense(row, col, inv_rbar).reshape(shape)
+            else:
+                sq = state[2].detach().to("cpu", copy=True) if lazy else state[2]
+                period = meta["period"]
+
+                def make_v() -> Tensor:
+                    return dense_block_values(sq, period, shape)
+        if not lazy:
+            second["exp_avg_sq"] = self._wrap(p, make_v())
+            return self._wrap(p, make_m()), second
+        # Placeholders on the meta device: a planner that does not know them fails loudly
+        # instead of writing garbage.
         name = meta["name"]
         self._lazy[(name, "momentum")] = make_m
         self._lazy[(name, "exp_avg_sq")] = make_v
-        return tuple(  # type: ignore[return-value]
-            self._wrap(p, torch.empty(shape, dtype=torch.float32, device="meta"))
-            for _ in range(2))
+        second["exp_avg_sq"] = self._wrap(p, torch.empty(shape, dtype=torch.float32,
+                                                          device="meta"))
+        return self._wrap(p, torch.empty(shape, dtype=torch.float32, device="meta")), second
 
     # ------------------------------------------------------------------ load
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -488,6 +487,15 @@ class GefenDCPState(Stateful):
                 # Keep the caller's tensor (schedulers hold it): fill it in place.
                 live_lr.fill_(lr)
                 g["lr"] = live_lr
+        if self._converted:
+            import warnings
+
+            warnings.warn(
+                f"GefenDCPState: the second moment of {len(self._converted)} matrix "
+                f"parameter(s) (e.g. {self._converted[:3]}) was saved in the other form "
+                "(factored row/column statistics vs per-block values) and was converted: an "
+                "approximation of the saved state, not a bit-exact resume "
+                "(docs/checkpoints.md)", RuntimeWarning, stacklevel=2)
 
     def _build_native(self, sd: dict[str, Any]) -> tuple[dict[str, Any], list[list[int]],
                                                           list[Any]]:
@@ -534,6 +542,7 @@ class GefenDCPState(Stateful):
         for g in new_groups:
             g["gefen_meta"] = dict(meta)
         state: dict[int, dict[str, Any]] = {}
+        self._converted = []
         index = 0
         for gi, g in enumerate(opt.param_groups):
             periods = []
@@ -542,8 +551,10 @@ class GefenDCPState(Stateful):
                 slot = slots.get(name) if isinstance(slots, dict) else None
                 if not isinstance(slot, dict):
                     raise ValueError(f"the checkpoint has no entry for parameter {name!r}")
-                entry, search = self._restore_slot(p, name, slot, codebook, has_codebook,
-                                                   factored=self._factored(gi, p))
+                entry, search, converted = self._restore_slot(
+                    p, name, slot, codebook, has_codebook, factored=self._factored(gi, p))
+                if converted:
+                    self._converted.append(name)
                 periods.append(search)
                 if entry:
                     state[index] = entry
@@ -554,30 +565,33 @@ class GefenDCPState(Stateful):
 
     def _restore_slot(self, p: Tensor, name: str, slot: dict[str, Any],
                       codebook: Tensor | None, has_codebook: bool, *, factored: bool = False,
-                      ) -> tuple[dict[str, Any], int]:
+                      ) -> tuple[dict[str, Any], int, bool]:
+        """One slot's native state entry for this rank, its search period, and whether its
+        second moment was converted between the factored and per-block forms."""
         local = _local(p)
         shape = tuple(local.shape)
-        second_keys = ("exp_avg_sq_row", "exp_avg_sq_col") if factored else ("exp_avg_sq",)
-        m = slot.get("momentum")
-        raw = [slot.get(k) for k in second_keys]
-        if not isinstance(m, Tensor) or not all(isinstance(v, Tensor) for v in raw):
-            mode = "factored" if factored else "block"
-            raise ValueError(f"{name!r}: momentum and {' and '.join(second_keys)} must be tensors "
-                             f"(the optimizer steps this parameter in {mode} mode; a checkpoint "
-                             "written in the other mode cannot be resharded into it)")
-        m = _local(m)
-        seconds: list[Tensor] = [_local(v) for v in raw if isinstance(v, Tensor)]
-        want = [shape, (shape[0],), (p.shape[1],)] if factored else [shape, shape]
-        got = [tuple(m.shape), *(tuple(v.shape) for v in seconds)]
-        if got != want:
-            raise ValueError(f"{name!r}: saved shapes {got} differ from the local shapes {want}")
-        if any(t.dtype != torch.float32 for t in (m, *seconds)):
-            raise ValueError(f"{name!r}: dense tensors must be fp32")
-        if not all(bool(torch.isfinite(t).all()) for t in (m, *seconds)):
-            raise ValueError(f"{name!r}: non-finite values in the dense state")
-        if any(bool((v < 0).any()) for v in seconds):
-            raise ValueError(f"{name!r}: negative second moment")
-        v = m.new_zeros(shape) if factored else seconds[0]
+        matrix = p.ndim == 2
+        keys = ("momentum", "exp_avg_sq") + (
+            ("exp_avg_sq_row", "exp_avg_sq_col") if matrix else ())
+        raw = [slot.get(k) for k in keys]
+        if not all(isinstance(v, Tensor) for v in raw):
+            raise ValueError(f"{name!r}: {', '.join(keys)} must be tensors")
+        tensors = {k: _local(v) for k, v in zip(keys, raw) if isinstance(v, Tensor)}
+        want = {"momentum": shape, "exp_avg_sq": shape, "exp_avg_sq_row": shape[:1],
+                "exp_avg_sq_col": tuple(p.shape[1:2])}
+        for key, t in tensors.items():
+            if tuple(t.shape) != want[key]:
+                raise ValueError(f"{name!r}: saved {key} has shape {tuple(t.shape)}, the local "
+                                 f"shape is {want[key]}")
+            if t.dtype != torch.float32:
+                raise ValueError(f"{name!r}: {key} must be fp32, got {t.dtype}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name!r}: non-finite values in the dense state ({key})")
+            if key != "momentum" and bool((t < 0).any()):
+                raise ValueError(f"{name!r}: negative second moment ({key})")
+        saved_factored = slot.get("factored")
+        if not isinstance(saved_factored, bool):
+            raise ValueError(f"{name!r}: factored must be a bool, got {saved_factored!r}")
         ints = {}
         for key in ("step", "exp_avg_sq_step", "period", "search_period"):
             val = slot.get(key)
@@ -586,31 +600,34 @@ class GefenDCPState(Stateful):
             ints[key] = val
         numel = math.prod(p.shape)
         search = ints["search_period"]
-        if search and numel % search:
-            raise ValueError(f"{name!r}: search period {search} does not divide {numel}")
+        for key in ("search_period", "period"):
+            if ints[key] and numel % ints[key]:
+                raise ValueError(f"{name!r}: {key} {ints[key]} does not divide {numel}")
         if not slot.get("initialized"):
-            if ints["step"] or bool(m.any()) or any(bool(t.any()) for t in seconds):
+            if ints["step"] or any(bool(t.any()) for t in tensors.values()):
                 raise ValueError(f"{name!r}: uninitialized slot with non-zero state")
-            return {}, search
+            return {}, search, False
         if ints["step"] < 1 or ints["exp_avg_sq_step"] < 1 or ints["period"] < 1:
             raise ValueError(f"{name!r}: an initialized slot needs step, exp_avg_sq_step and "
                              "period >= 1")
         if not has_codebook:
             raise ValueError(f"{name!r} has momentum but the checkpoint has no codebook")
         assert codebook is not None
-        period = self._new_period(p, search or ints["period"])
+        period = self._load_period(p, ints["period"], search)
         dev = local.device
-        codes, scale, sq = reblock(m.to(dev), v.to(dev), period, codebook)
+        codes, scale, sq = reblock(tensors["momentum"].to(dev), tensors["exp_avg_sq"].to(dev),
+                                   period, codebook)
         entry = {"period": period, "step": torch.tensor(float(ints["step"])),
                  "exp_avg_sq_step": torch.tensor(float(ints["exp_avg_sq_step"])),
                  "exp_avg_codes": codes, "exp_avg_scale": scale}
         if factored:
             # r and k are functions of the global matrix: restored exactly on any topology.
-            entry["exp_avg_sq_row"] = rows_for_staging(p, seconds[0].to(dev).clone())
-            entry["exp_avg_sq_col"] = seconds[1].to(dev).clone()
+            entry["exp_avg_sq_row"] = rows_for_staging(
+                p, tensors["exp_avg_sq_row"].to(dev).clone())
+            entry["exp_avg_sq_col"] = tensors["exp_avg_sq_col"].to(dev).clone()
         else:
             entry["exp_avg_sq"] = sq
-        return entry, search or ints["period"]
+        return entry, search or ints["period"], matrix and saved_factored != factored
 
 
 class GefenSavePlanner(DefaultSavePlanner):

@@ -8,23 +8,27 @@ same arguments plus ``distributed_mesh`` and makes both functions of the *global
 
 * **Period.** On the first step a parameter has a gradient, every rank all-gathers that
   gradient once (``DTensor.full_tensor()``) and runs Gefen's own gates and period search
-  (§1.7) on the full tensor with the global shape, exactly as a single process would. The
-  result ``P`` is then *aligned*: blocks must not straddle a shard boundary, so the stored
-  period is ``gcd(P, ceil(R / W) * row_numel)`` for a ``[R, ...]`` parameter on ``W`` ranks
-  (every shard starts at a multiple of ``ceil(R / W) * row_numel`` elements, DTensor's
-  ``torch.chunk`` rule). When ``P`` already divides that (for instance whenever
-  ``ceil(R / W)`` is a multiple of ``P / row_numel``), the stored period equals the
-  single-process period; otherwise the blocks are a refinement of the single-process blocks
-  (documented in ``docs/checkpoints.md``). The unaligned search result is kept in
-  :attr:`search_periods` so checkpoints can re-align it for another world size.
+  (docs/algorithm.md#period-search) on the full tensor with the global shape, exactly as a
+  single process would. The result ``P`` is then refined by :func:`sharded_period`: blocks
+  must not straddle a boundary of the live layout's shards (``Shard(0)`` shards start at
+  multiples of ``ceil(R / W) * row_numel`` elements, DTensor's ``torch.chunk`` rule), and they
+  also tile the shards of 2, 4 and 8 ranks as long as blocks of at least 8 elements allow it,
+  so a checkpoint moves between those world sizes without re-blocking
+  (docs/algorithm.md#resharding). When ``P`` already tiles all of them (every period that
+  divides ``ceil(R / 8) * row_numel``) the stored period is the single-process period;
+  otherwise the blocks are a refinement of the single-process blocks (``docs/checkpoints.md``
+  lists which tensors). The unrefined search result is kept in :attr:`search_periods`.
 * **Codebook.** Each rank bins its local shards with the aligned periods; the integer
   histograms are summed by one all-reduce (exact in any order), so every rank learns the same
   codebook, identical to a single-process run that uses the same periods.
 
 Every collective is entered by every rank in the same order. Before the first one of a step,
-the ranks agree on which parameters have a gradient (:func:`gefen_dist._agree.check_grad_presence`)
-and on whether every gradient is finite, so a rank-local problem becomes the same error (or the
-same skipped step) on every rank instead of a hang (§8 item 5).
+the ranks agree on which parameters have a gradient (:func:`gefen_dist._agree.check_grad_presence`);
+on a step that learns the codebook or searches a period they also agree on whether every
+gradient is finite (Gefen's first-step rule), and with ``skip_nonfinite=True`` they agree on it
+on every step, first of all (one all-reduce), so a non-finite gradient on any rank skips the
+step on every rank (docs/algorithm.md#non-finite-gradients). A rank-local problem thus becomes
+the same error (or the same skipped step) on every rank instead of a hang.
 
 * **Factored second moment** (``factored_v_2d=True``, §1.11). A ``Shard(0)`` rank holds whole
   rows, so its row statistics ``r`` are complete locally, while the column sums of ``g^2`` and
@@ -50,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from gefen_core import Gefen
 from gefen_core import _dispatch as _core_dispatch
+from gefen_core._nonfinite import all_finite
 
 from ._agree import agree, agreed, check_grad_presence, collective_device
 from .capabilities import SHARDED_GEFEN_CAPABILITIES, Capabilities
@@ -57,7 +62,8 @@ from .capabilities import SHARDED_GEFEN_CAPABILITIES, Capabilities
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-__all__ = ["SEARCH_PERIODS_KEY", "ShardedGefen", "aligned_period", "shard_unit"]
+__all__ = ["SEARCH_PERIODS_KEY", "ShardedGefen", "aligned_period", "period_tiles", "shard_unit",
+           "sharded_period"]
 
 SEARCH_PERIODS_KEY = "search_periods"
 """Group key: list parallel to ``params`` of unaligned search periods (0 = not searched)."""
@@ -97,6 +103,48 @@ def aligned_period(period: int, global_shape: tuple[int, ...], world_size: int) 
     return period if unit == 0 else math.gcd(period, unit)
 
 
+PORTABLE_WORLD_SIZES = (2, 4, 8)
+"""World sizes whose ``Shard(0)`` chunks ShardedGefen's blocks also tile when the tensor allows
+it (:func:`sharded_period`), so checkpoints move between them without re-blocking."""
+
+MIN_PORTABLE_PERIOD = 8
+"""Blocks are never refined below this many elements to tile another world size."""
+
+
+def sharded_period(period: int, global_shape: tuple[int, ...], world_size: int) -> int:
+    """The period ShardedGefen uses for a parameter whose single-process period is ``period``.
+
+    ``P_W = aligned_period(period, shape, world_size)`` (blocks never straddle a shard of the
+    live layout), then refined for each of :data:`PORTABLE_WORLD_SIZES` in turn (2, 4, 8):
+    ``aligned_period(P_W, shape, V)`` is taken when it leaves ``P_W`` unchanged or keeps
+    blocks of at least :data:`MIN_PORTABLE_PERIOD` elements; the first world size that would
+    need smaller blocks ends the refinement. The result's blocks nest inside ``period``'s and
+    tile the shards of ``world_size`` ranks and of 1, 2, 4 and 8 ranks up to that point, so a
+    checkpoint written on any of them is loaded with its own period
+    (docs/algorithm.md#resharding). Pure: the same on every rank.
+
+    Examples: a 64-element norm whose single-process period is 64 gets 8 on any of 1, 2, 4
+    or 8 ranks; a ``[256, 64]`` matrix with ``period = 64`` keeps 64; a 100-element bias with
+    ``period = 100`` gets 25 (tiles 1, 2 and 4 ranks; 8 ranks would need blocks of 1).
+    """
+    out = aligned_period(period, global_shape, world_size)
+    for world in PORTABLE_WORLD_SIZES:
+        finer = aligned_period(out, global_shape, world)
+        if finer != out and finer < MIN_PORTABLE_PERIOD:
+            break
+        out = finer
+    return out
+
+
+def period_tiles(period: int, global_shape: tuple[int, ...], world_size: int) -> bool:
+    """Whether blocks of ``period`` elements tile every ``Shard(0)`` shard on ``world_size``
+    ranks (none straddles a shard boundary), i.e. whether a load may keep this period."""
+    numel = math.prod(global_shape)
+    if period < 1 or (numel and numel % period):
+        return False
+    return aligned_period(period, global_shape, world_size) == period
+
+
 def _mesh_of(distributed_mesh: Any) -> Any:
     if distributed_mesh is None:
         return None
@@ -132,9 +180,14 @@ class ShardedGefen(Gefen):
             its group) the parameters are sharded over. ``None`` (default) takes the mesh of
             the DTensor parameters, or the default process group when there are none.
 
+        skip_nonfinite (bool, keyword-only): as ``Gefen``; the ranks agree (one all-reduce,
+            before any other collective of the step) so a NaN or Inf in any rank's gradient
+            shard skips the step on every rank (docs/algorithm.md#non-finite-gradients).
+
     Every rank must call :meth:`step` (it is collective on the steps that search a period,
-    learn or refresh the codebook, and on every step that updates a factored 2-D parameter:
-    one all-reduce of the column statistics, see the module docstring). Plain (replicated)
+    learn or refresh the codebook, on every step that updates a factored 2-D parameter:
+    one all-reduce of the column statistics, see the module docstring, and on every step with
+    ``skip_nonfinite=True``). Plain (replicated)
     parameters are allowed only when no parameter is a DTensor, because a replicated
     gradient's histogram would otherwise be counted once per rank.
 
@@ -149,6 +202,7 @@ class ShardedGefen(Gefen):
 
     gefen_capabilities: Capabilities = SHARDED_GEFEN_CAPABILITIES
     _reduces_factored_stats = True
+    _sharded_alternative = None
 
     def __init__(self, params: Any, *args: Any, distributed_mesh: Any = None,
                  **kwargs: Any) -> None:
@@ -240,14 +294,20 @@ class ShardedGefen(Gefen):
 
     def _select_periods(self, items: Sequence[tuple[Tensor, Tensor, str, dict[str, Any]]],
                         ) -> list[int]:
-        """Gefen's gates and search; records each (unaligned) result in ``search_periods``."""
+        """Gefen's gates and search on the full gradients; records each result in
+        ``search_periods`` and returns the periods a DTensor's state uses
+        (:func:`sharded_period`, on any number of ranks, one included)."""
         periods = super()._select_periods(items)
+        out = []
         for (param, _, _, group), period in zip(items, periods):
             for i, q in enumerate(group["params"]):
                 if q is param:
                     group[SEARCH_PERIODS_KEY][i] = int(period)
                     break
-        return periods
+            if _is_dtensor(param):
+                period = sharded_period(int(period), tuple(param.shape), self._world())
+            out.append(period)
+        return out
 
     def _factored_statistics(
         self, entries: list[tuple[Tensor, Tensor, Tensor, Tensor, float, bool]],
@@ -365,10 +425,16 @@ class ShardedGefen(Gefen):
             with torch.enable_grad():
                 loss = closure()
         collective = self._world() > 1 and self._has_dtensors()
-        if collective:
-            self._collective_prologue()
         before = self._global_step
         try:
+            if collective and self._skip_nonfinite:
+                # Before any other collective: every rank skips, or none does.
+                self._agree_finite([p for _, _, p, _ in self._entries() if p.grad is not None])
+                if not self._agreed_finite:
+                    self._record_skipped_step()
+                    return loss
+            if collective:
+                self._collective_prologue()
             super().step()
         finally:
             self._agreed_finite = None
@@ -392,7 +458,7 @@ class ShardedGefen(Gefen):
             state = self.state[p]
             if "exp_avg_codes" not in state:
                 dev = _local(p).device
-                aligned = aligned_period(period, tuple(p.shape), self._world())
+                aligned = sharded_period(period, tuple(p.shape), self._world())
                 state.update(
                     period=aligned,
                     step=torch.zeros((), dtype=torch.float32),
@@ -579,7 +645,8 @@ class ShardedGefen(Gefen):
         missing = [e for e, f in zip(with_grad, decided[1:]) if f]
         if not decided[0] and not missing:
             return
-        self._agree_finite([p for _, _, p, _ in with_grad])
+        if self._agreed_finite is None:
+            self._agree_finite([p for _, _, p, _ in with_grad])
         if not self._agreed_finite:
             return  # Gefen skips learning / the new parameters on every rank alike (O9).
         for group, i, p, name in missing:
@@ -589,8 +656,9 @@ class ShardedGefen(Gefen):
             self._check_every_rank_contributes(live_local)
 
     def _agree_finite(self, params: list[Tensor]) -> None:
-        ok = all(bool(torch.isfinite(_local(p.grad)).all()) for p in params
-                 if p.grad is not None)
+        """Set :attr:`_agreed_finite`: whether every rank's gradients of ``params`` are
+        finite (one all-reduce; docs/algorithm.md#non-finite-gradients)."""
+        ok = all_finite(_local(p.grad) for p in params if p.grad is not None)
         flag = torch.tensor([0 if ok else 1], dtype=torch.int32,
                             device=collective_device(self._dist_group))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._dist_group)
@@ -620,7 +688,7 @@ class ShardedGefen(Gefen):
         state = self.state[p]
         if _local(p).numel() > 0 and "period" not in state:
             # A period restored from a checkpoint is the state geometry: never replaced.
-            state["period"] = aligned_period(period, tuple(p.shape), self._world())
+            state["period"] = sharded_period(period, tuple(p.shape), self._world())
 
 
 def _check_no_missing_state(sd: Any) -> None:

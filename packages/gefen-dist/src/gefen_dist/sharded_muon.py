@@ -207,6 +207,9 @@ class ShardedGefenMuon(GefenMuon):
             takes effect. See the module docstring for what each mode computes and stores.
         distributed_mesh (DeviceMesh | ProcessGroup | None, keyword-only): the 1-D mesh (or its
             group) the matrices are sharded over. ``None`` (default): the DTensors' mesh.
+        skip_nonfinite (bool, keyword-only): as ``GefenMuon``; a NaN or Inf in any rank's
+            gradient shard skips the step on every rank (decided in the all-reduce that agrees
+            on the AMP overflow; docs/algorithm.md#non-finite-gradients).
 
     Every rank must call :meth:`step` (collective in exact and distributed modes, and for the
     agreement on its checks) and, in distributed mode, :meth:`state_dict` (collective).
@@ -401,16 +404,23 @@ class ShardedGefenMuon(GefenMuon):
                 loss = closure()
         entries = self._muon_preflight()
         overflow, inv_scale = _amp.overflow_and_inverse_scale(self)
+        # skip_nonfinite reads the gradients as step() receives them, like GefenMuon.
+        nonfinite = self._skip_nonfinite and self._step_is_nonfinite()
         if self._collective():
-            flag = torch.tensor([int(overflow)], dtype=torch.int32,
+            # One all-reduce decides both skips on every rank alike.
+            flag = torch.tensor([int(overflow), int(nonfinite)], dtype=torch.int32,
                                 device=collective_device(self._dist_group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._dist_group)
-            overflow = bool(flag.item())
+            overflow, nonfinite = (bool(v) for v in flag.tolist())
+        if nonfinite:
+            self._record_skipped_step()
+            return loss
         if overflow:
             return loss
         if inv_scale is not None:
             _amp.unscale_([g for _, _, g, _ in entries], inv_scale)
         self._apply(entries)
+        self.last_step_skipped = False
         return loss
 
     def _apply(self, entries: list[Entry]) -> None:
@@ -759,7 +769,10 @@ class ShardedGefenMuonHybrid(GefenMuonHybrid):
     ``torch.optim.AdamW``, which steps DTensor shards element-wise as it is.
 
     Same arguments and checkpoint layout (§5.5) as ``GefenMuonHybrid``. Every rank must call
-    :meth:`step`, :meth:`state_dict` (distributed mode) and :meth:`load_state_dict`.
+    :meth:`step`, :meth:`state_dict` (distributed mode) and :meth:`load_state_dict`. With
+    ``skip_nonfinite=True`` the ranks agree (one all-reduce per step) so a NaN or Inf in any
+    rank's gradients skips the step of both halves on every rank
+    (docs/algorithm.md#non-finite-gradients).
 
     Raises:
         As ``GefenMuonHybrid``, ``ShardedGefenMuon`` and ``ShardedGefen``; a checkpoint half
@@ -770,6 +783,7 @@ class ShardedGefenMuonHybrid(GefenMuonHybrid):
     gefen_capabilities: Capabilities = SHARDED_GEFEN_MUON_CAPABILITIES
     _muon_class = ShardedGefenMuon
     _gefen_class = ShardedGefen
+    _sharded_alternative = None
 
     def _collective(self) -> bool:
         muon = self.muon
@@ -809,7 +823,7 @@ class ShardedGefenMuonHybrid(GefenMuonHybrid):
             return super()._first_step_has_non_finite()
         learning = any(isinstance(c, Gefen) and c._codebook is None for c in self._children())
         bad = False
-        if learning:
+        if learning or self._skip_nonfinite:
             grads = [p.grad for g in self.param_groups for p in g["params"]
                      if p.grad is not None]
             bad = not all(bool(torch.isfinite(_local(g)).all()) for g in grads)

@@ -173,11 +173,12 @@ class GefenDCPState(Stateful):
                     raise ValueError(
                         f"GefenDCPState: optimizer parameter {pname!r} is not a parameter of "
                         "the given model; pass the module the optimizer was built from")
-                if g["factored_v_2d"] and p.ndim == 2 and not _is_dtensor(p):
+                if not _is_dtensor(p) and _core_dispatch.is_factored(p, g):
                     raise ValueError(
                         f"GefenDCPState: parameter {pname!r} uses the factored second moment "
-                        "(a plain 2-D parameter with factored_v_2d=True), which has no dense "
-                        "per-shard form; construct Gefen with factored_v_2d=False")
+                        "(a plain 2-D parameter with factored_v_2d=True and both sides at least "
+                        "min_dim_size_to_factor), which has no dense per-shard form; construct "
+                        "Gefen with factored_v_2d=False")
                 self._names.append(names[id(p)])
         if len(set(self._names)) != len(self._names):
             raise ValueError("GefenDCPState: two optimizer parameters share a model name")

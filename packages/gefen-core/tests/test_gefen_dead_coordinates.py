@@ -140,3 +140,41 @@ def test_dead_coordinates_stop_moving_through_the_kernels_gpu(name, dtype, adamw
     trace, (opt, p, dead) = run(_gefen(OPTIONS[name], fused=True), dtype, device="cuda")
     assert opt.step_paths()["w"] == "fused"
     check(trace, adamw_traces[dtype], dtype, opt, p, dead)
+
+
+def test_a_codebook_saved_without_a_zero_codeword_is_used_as_it_is() -> None:
+    """A checkpoint from before the zero codeword: its codebook (no exact 0) loads and stays,
+    and zero gradients round toward zero but never across it (near 0 such a codebook rounds
+    as it always did, docs/algorithm.md#toward-zero-rounding)."""
+    import copy
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = Gefen([("w", p)], lr=1e-3, factored_v_2d=False)
+    for _ in range(3):
+        p.grad = torch.randn(64, 64)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    old = sd["gefen_meta"]["codebook"].clone()
+    zero = int(torch.nonzero(old == 0))
+    old[zero] = old[zero + 1] / 2  # no exact 0 any more, still sorted
+    sd["gefen_meta"]["codebook"] = old
+    for g in sd["param_groups"]:
+        g["gefen_meta"]["codebook"] = old
+    resumed = Gefen([("w", p)], lr=1e-3, factored_v_2d=False)
+    resumed.load_state_dict(sd)
+    def momentum() -> torch.Tensor:
+        st = resumed.state[p]
+        return (old[st["exp_avg_codes"].long()] * st["exp_avg_scale"]).reshape(64, 64)
+
+    signs = torch.sign(momentum())
+    for _ in range(40):
+        g = torch.randn(64, 64)
+        g[:, :8] = 0.0
+        p.grad = g
+        resumed.step()
+    assert torch.equal(resumed._codebook, old)  # used as it is, not relearned
+    # The dead columns' momentum kept its sign (no crossing of 0) and is nonzero: without an
+    # exact 0 the smallest codewords are where it stops.
+    assert bool((torch.sign(momentum()[:, :8]) == signs[:, :8]).all())
+    assert bool(torch.isfinite(p).all())

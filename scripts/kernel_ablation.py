@@ -76,7 +76,7 @@ VARIANTS: dict[str, tuple[str, list[Patch]]] = {
         [
             (
                 _SK,
-                "q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)",
+                "q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS, zero)",
                 "q, codeword = tl.minimum(tl.maximum((z * 127.5 + 127.5).to(tl.int32), 0), 255), z",
             ),
         ],

@@ -68,16 +68,18 @@ from gefen_kernels.ops.factored_step import factored_stats_triton
 
 @triton.jit
 def _quantise_store(  # type: ignore[no-untyped-def]
-    q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, STEPS: tl.constexpr, FAST: tl.constexpr = 0
+    q_ptr, cb_ptr, table_ptr, offs, mask, m, zero, s_new, STEPS: tl.constexpr,
+    FAST: tl.constexpr = 0
 ):
-    """Production's ``_apply`` up to the code store. ``FAST`` (an ablation, other codes):
-    ``m / s'`` by the approximate division instead of ``div_rn``."""
+    """Production's ``_apply`` up to the code store (``zero``: the gradient is exactly 0, the
+    toward-zero lookup). ``FAST`` (an ablation, other codes): ``m / s'`` by the approximate
+    division instead of ``div_rn``."""
     positive = s_new > 0
     if FAST:
         z = tl.where(positive, tl.fdiv(m, tl.where(positive, s_new, 1.0)), 0.0)
     else:
         z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)
-    q, _ = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
+    q, _ = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS, zero)
     tl.store(q_ptr + offs, q.to(tl.uint8), mask=mask)
 
 
@@ -112,16 +114,17 @@ def _quant_kernel(  # type: ignore[no-untyped-def]
     bmask = blocks < num_blocks
     s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
     if TAIL == 0:
-        offs, mask, _, m = _piece(
+        offs, mask, g, m = _piece(
             g_ptr, q_ptr, cb_ptr, blocks, bmask, tl.arange(0, P2), s_old, period, b1, omb1
         )
         s_new = tl_nan_max(tl.where(mask, tl.abs(m), 0.0), mask & (m != m), 1)
-        _quantise_store(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], STEPS, FAST)
+        _quantise_store(q_ptr, cb_ptr, table_ptr, offs, mask, m, g == 0.0, s_new[:, None], STEPS,
+                        FAST)
     else:
-        offs, mask, _, m = _piece(
+        offs, mask, g, m = _piece(
             g_ptr, q_ptr, cb_ptr, blocks, bmask, tl.arange(0, P2 // 2), s_old, period, b1, omb1
         )
-        offs_t, mask_t, _, m_t = _piece(
+        offs_t, mask_t, g_t, m_t = _piece(
             g_ptr,
             q_ptr,
             cb_ptr,
@@ -142,8 +145,10 @@ def _quant_kernel(  # type: ignore[no-untyped-def]
             tl.max((mask_t & (m_t != m_t)).to(tl.int32), axis=1),
         )
         s_new = tl.where(any_nan > 0, float("nan"), s_max)
-        _quantise_store(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], STEPS, FAST)
-        _quantise_store(q_ptr, cb_ptr, table_ptr, offs_t, mask_t, m_t, s_new[:, None], STEPS, FAST)
+        _quantise_store(q_ptr, cb_ptr, table_ptr, offs, mask, m, g == 0.0, s_new[:, None], STEPS,
+                        FAST)
+        _quantise_store(q_ptr, cb_ptr, table_ptr, offs_t, mask_t, m_t, g_t == 0.0, s_new[:, None],
+                        STEPS, FAST)
     tl.store(s_ptr + blocks, s_new, mask=bmask)
 
 
@@ -182,7 +187,7 @@ def _strip_kernel(  # type: ignore[no-untyped-def]
         s_old = tl.load(s_ptr + block)
         g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, cmask, s_old, b1, omb1, False)
         s_new = tl_nan_max(tl.where(cmask, tl.abs(m), 0.0), cmask & (m != m), 0)
-        _quantise_store(q_ptr, cb_ptr, table_ptr, offs, cmask, m, s_new, STEPS)
+        _quantise_store(q_ptr, cb_ptr, table_ptr, offs, cmask, m, g == 0.0, s_new, STEPS)
         tl.store(s_ptr + block, s_new)
         sq = g * g
         tl.store(rowpart_ptr + block, tl.sum(sq, axis=0))

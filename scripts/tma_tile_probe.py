@@ -100,9 +100,10 @@ def _tma_tile_kernel(  # type: ignore[no-untyped-def]
     lr, bc2, bc1, decay = _load_scalars(hyper_ptr, lr, bc2, bc1, decay, False)
     # HOIST: the codebook and the staged section in registers once per program, not per block.
     cb = tl.load(cb_ptr + tl.arange(0, 256))
-    words = tl.load(table_ptr.to(tl.pointer_type(tl.int32)) + STAGED_CODES32 + tl.arange(0, 1024))
+    # Both roundings' sections (nearest, then toward zero for zero gradients).
+    words = tl.load(table_ptr.to(tl.pointer_type(tl.int32)) + STAGED_CODES32 + tl.arange(0, 2048))
     thresholds = tl.load(
-        table_ptr.to(tl.pointer_type(tl.float32)) + STAGED_THRESHOLDS32 + tl.arange(0, 256)
+        table_ptr.to(tl.pointer_type(tl.float32)) + STAGED_THRESHOLDS32 + tl.arange(0, 512)
     )
     offs = tl.arange(0, R)[:, None] * 256 + tl.arange(0, 256)[None, :]
     for blk in tl.range(tl.program_id(0), num_blocks, tl.num_programs(0), num_stages=NS):
@@ -132,11 +133,12 @@ def _tma_tile_kernel(  # type: ignore[no-untyped-def]
         z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)
         if HOIST:  # tl_quantize_nearest's staged branch, on the hoisted tensors
             b = _bucket(z)
-            q_lo = (_gather(words, b >> 2) >> ((b & 3) * 8)) & 255
-            q = q_lo + (z > _gather(thresholds, q_lo)).to(tl.int32)
+            zi = (g == 0.0).to(tl.int32)
+            q_lo = (_gather(words, (b >> 2) + zi * 1024) >> ((b & 3) * 8)) & 255
+            q = q_lo + (z > _gather(thresholds, q_lo + zi * 256)).to(tl.int32)
             codeword = _gather(cb, q)
         else:
-            q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
+            q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS, g == 0.0)
         base = blk * period
         if TMA_STORE:
             q_desc.store([blk * R, 0], q.to(tl.uint8))

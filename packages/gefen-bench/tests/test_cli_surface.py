@@ -107,6 +107,14 @@ def test_train_tiny_writes_json_and_png_and_skips_missing_peers(
     assert (tmp_path / "digits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report["meta"]["command"].startswith("gefen-bench train")
     assert report["meta"]["versions"]["torch"]
+    # The default LR sweep: AdamW on the shared grid, validation split, its tuned LR used.
+    sweep = report["lr_sweep"]["lm"]
+    assert sweep["grid"] == pytest.approx([x * 3e-3 for x in (0.5, 1.0, 2.0)])
+    assert {p["optimizer"] for p in sweep["points"]} == {"adamw"}
+    assert all(p["result"]["eval_split"] == "val" for p in sweep["points"])
+    assert report["lr"]["lm"]["adamw"] == sweep["tuned"]["adamw"]["lr"]
+    assert report["lr_source"]["lm"]["adamw"].startswith("--lr-sweep")
+    assert "LR sweep" in out
 
 
 def test_arch_two_families(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

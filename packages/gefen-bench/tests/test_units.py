@@ -195,25 +195,71 @@ def test_digits_job_is_deterministic_and_reports_curves() -> None:
     assert c["runs"][0]["eval_curve"] != a["runs"][0]["eval_curve"]
 
 
-def _digits_result(loss: float, accuracy: float) -> dict[str, object]:
-    return {"final_eval_loss_mean": loss, "accuracy_mean": accuracy}
+def _digits_result(loss: float, accuracy: float, lr: float = 1e-2) -> dict[str, object]:
+    return {"final_eval_loss_mean": loss, "accuracy_mean": accuracy, "lr": lr}
 
 
-def test_digits_mlp_verdict_is_the_two_percent_loss_bar() -> None:
+def test_verdict_is_the_two_percent_loss_bar_at_tuned_lrs_on_every_task() -> None:
     from gefen_bench.train import _verdicts
 
-    results = {"digits-mlp": {"adamw": _digits_result(0.100, 0.97),
+    lm = {"adamw": {"final_eval_loss": 2.0, "lr": 3e-3, "state": {"bytes_per_param": 8.0}},
+          "gefen": {"final_eval_loss": 2.03, "lr": 6e-3, "state": {"bytes_per_param": 1.1}},
+          "gefen-blockv": {"final_eval_loss": 2.05, "lr": 3e-3,
+                           "state": {"bytes_per_param": 1.1}}}
+    results = {"lm": lm,
+               "digits": {"adamw": _digits_result(0.050, 0.98),
+                          "gefen": _digits_result(0.0509, 0.979, 3e-3)},
+               "digits-mlp": {"adamw": _digits_result(0.100, 0.97),
                               "gefen": _digits_result(0.1019, 0.968),
                               "gefen-blockv": _digits_result(0.1021, 0.975),
                               "muon": _digits_result(0.5, 0.5)}}
-    verdicts = {v["optimizer"]: v for v in _verdicts(results)}
-    assert set(verdicts) == {"gefen", "gefen-blockv"}  # Gefen variants only, against AdamW
-    assert verdicts["gefen"]["pass"] is True
-    assert verdicts["gefen"]["held_out_loss_vs_adamw"] == pytest.approx(0.019)
-    assert verdicts["gefen"]["accuracy_vs_adamw"] == pytest.approx(-0.002)
-    assert verdicts["gefen-blockv"]["pass"] is False
-    assert verdicts["gefen-blockv"]["held_out_loss_vs_adamw"] == pytest.approx(0.021)
-    assert _verdicts({"digits-mlp": {"gefen": _digits_result(0.1, 0.9)}}) == []
+    sweeps = {"lm": {"equal_lr": {"gefen": [{"lr": 3e-3, "vs_ref": -0.01},
+                                            {"lr": 6e-3, "vs_ref": 0.2}]}}}
+    verdicts = {(v["task"], v["optimizer"]): v for v in _verdicts(results, sweeps, True)}
+    # Gefen variants only, against AdamW, on every task.
+    assert set(verdicts) == {("lm", "gefen"), ("lm", "gefen-blockv"), ("digits", "gefen"),
+                             ("digits-mlp", "gefen"), ("digits-mlp", "gefen-blockv")}
+    v = verdicts[("lm", "gefen")]
+    assert v["pass"] is True and v["held_out_loss_vs_adamw"] == pytest.approx(0.015)
+    assert v["lr"] == 6e-3 and v["adamw_lr"] == 3e-3
+    assert v["state_vs_adamw"] == pytest.approx(1.1 / 8)
+    # The equal-LR gap is the sweep's at AdamW's tuned LR.
+    assert v["equal_lr_val_loss_vs_adamw"] == -0.01
+    assert "own tuned LR" in v["bar"]
+    assert verdicts[("lm", "gefen-blockv")]["pass"] is False  # +2.5%
+    assert verdicts[("digits", "gefen")]["held_out_loss_vs_adamw"] == pytest.approx(0.018)
+    assert verdicts[("digits", "gefen")]["pass"] is True
+    assert verdicts[("digits-mlp", "gefen")]["accuracy_vs_adamw"] == pytest.approx(-0.002)
+    assert verdicts[("digits-mlp", "gefen-blockv")]["pass"] is False  # +2.1%
+    assert _verdicts({"digits-mlp": {"gefen": _digits_result(0.1, 0.9)}}, {}, True) == []
+    untuned = _verdicts({"digits": results["digits"]}, {}, False)
+    assert "at the LRs given" in untuned[0]["bar"]
+
+
+def test_sweep_choice_and_equal_lr_rows() -> None:
+    import math
+
+    from gefen_bench.train_sweep import choose, equal_lr, grid_lrs
+
+    grid = grid_lrs(3e-3, (0.5, 1.0, 2.0))
+    assert grid == pytest.approx([1.5e-3, 3e-3, 6e-3])
+    points = [{"optimizer": "adamw", "lr": grid[0], "score": 2.2},
+              {"optimizer": "adamw", "lr": grid[1], "score": 2.0},
+              {"optimizer": "adamw", "lr": grid[2], "score": 2.1},
+              {"optimizer": "gefen", "lr": grid[0], "score": 2.3},
+              {"optimizer": "gefen", "lr": grid[1], "score": 1.9},
+              {"optimizer": "gefen", "lr": grid[2], "score": 1.9},  # tie: the smaller LR
+              {"optimizer": "muon", "lr": grid[0], "score": math.inf},
+              {"optimizer": "muon", "lr": grid[1], "score": math.inf}]
+    assert choose(points, "adamw", 1.0) == {"lr": grid[1], "score": 2.0, "chosen": True,
+                                            "at_edge": False}
+    assert choose(points, "gefen", 1.0)["lr"] == grid[1]
+    assert choose(points, "muon", 7.0) == {"lr": 7.0, "score": math.inf, "at_edge": False,
+                                           "chosen": False}
+    rows = equal_lr(points, "gefen")
+    assert [r["lr"] for r in rows] == grid
+    assert rows[1]["vs_ref"] == pytest.approx(1.9 / 2.0 - 1)
+    assert equal_lr(points, "muon")[0]["vs_ref"] is None
 
 
 def test_presets_without_a_digits_task_refuse_it() -> None:

@@ -1,9 +1,11 @@
-"""The exact optimal quantizer and the codebook (ALGORITHM.md §1.8.2-§1.8.3, O4, O5).
+"""The exact optimal quantizer with forced endpoints (docs/algorithm.md#codebook-solver, O4, O5).
 
-The reference is the textbook recurrence of §1.8.3 written here from the spec: fp64 prefix sums
-accumulated left to right, ``D[k][j] = min_{i=k..j} D[k-1][i-1] + cost_k(i, j)`` scanning ``i``
-upward and replacing only on strict improvement, backtracking from ``(M, K)``. The solver must
-return the same codewords (so the same tie choices) and the same cost, bit for bit.
+``optimal_quantizer_endpoints`` and its layered solver, the building block of the forced-zero
+codebook (``test_codebook_zero.py``). The reference is the textbook recurrence written here from
+the spec: fp64 prefix sums accumulated left to right,
+``D[k][j] = min_{i=k..j} D[k-1][i-1] + cost_k(i, j)`` scanning ``i`` upward and replacing only
+on strict improvement, backtracking from ``(M, K)``. The solver must return the same codewords
+(so the same tie choices) and the same cost, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from gefen_core import _layered_dp as ldp
 from gefen_core import codebook as cb
 from gefen_core.codebook import (
     HISTOGRAM_BINS,
     NUM_CODEWORDS,
     histogram_bin_centers,
-    optimal_codebook,
-    optimal_quantizer,
+    optimal_quantizer_endpoints,
 )
 
 
@@ -148,12 +150,13 @@ _MODES = {
 def mode(request, monkeypatch):
     for name, value in _MODES[request.param].items():
         owner, _, attr = name.rpartition(".")
-        monkeypatch.setattr(getattr(cb, owner) if owner else cb, attr, value)
+        module = cb if hasattr(cb, attr) and not owner else ldp
+        monkeypatch.setattr(getattr(ldp, owner) if owner else module, attr, value)
     return request.param
 
 
 def _solve(x, w, k):
-    c, cost = optimal_quantizer(x, w, k)
+    c, cost = optimal_quantizer_endpoints(x, w, k)
     assert c.dtype == torch.float64 and c.shape == (k,)
     return c.numpy(), cost
 
@@ -345,7 +348,7 @@ def test_tie_heavy_histograms_equal_textbook(mode, name, seed):
 @functools.cache
 def _sparse_codebook_instance():
     # 300 active bins (more than 256 codewords): a symmetric, equal-count histogram with the
-    # end bins active, solved by optimal_codebook at K = 256 and by the textbook recurrence.
+    # end bins active, solved at K = 256 and by the textbook recurrence.
     rng = np.random.default_rng(12)
     half = np.sort(rng.choice(np.arange(2049, 4095), size=149, replace=False))
     bins = np.concatenate([[0], 4095 - half[::-1], half, [4095]])
@@ -357,54 +360,18 @@ def _sparse_codebook_instance():
     return counts, textbook_vectorised(x, w, NUM_CODEWORDS)
 
 
-def test_sparse_symmetric_histogram_codebook_equals_textbook(mode):
-    counts, (ref_c, _) = _sparse_codebook_instance()
-    c = optimal_codebook(counts)
-    _check_codebook(c)
-    assert torch.equal(c, torch.from_numpy(ref_c).float())
+def test_sparse_symmetric_histogram_equals_textbook_at_256_codewords(mode):
+    counts, (ref_c, ref_cost) = _sparse_codebook_instance()
+    active = np.flatnonzero(counts.numpy())
+    x, w = _centres_and_counts(active, counts.numpy()[active])
+    c, cost = _solve(x, w, NUM_CODEWORDS)
+    assert np.array_equal(c, ref_c) and cost == ref_cost
+    assert (np.diff(c) > 0).all()
 
 
 # ------------------------------------------------------------------------------------------
-# optimal_codebook
+# The row bound
 # ------------------------------------------------------------------------------------------
-def test_bin_centers_are_exact_edge_means():
-    c = histogram_bin_centers()
-    assert c.dtype == torch.float32 and c.shape == (HISTOGRAM_BINS,)
-    b = torch.arange(HISTOGRAM_BINS, dtype=torch.float64)
-    assert torch.equal(c.double(), (2 * b - 4095) / 4096)
-
-
-def _check_codebook(c: torch.Tensor, strict: bool = True) -> None:
-    assert c.dtype == torch.float32 and c.shape == (NUM_CODEWORDS,)
-    assert c[0].item() == -1.0 and c[-1].item() == 1.0
-    d = torch.diff(c)
-    assert bool((d > 0).all()) if strict else bool((d >= 0).all())
-
-
-def test_realistic_histogram_codebook_properties_and_cost():
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(4096, 512, generator=g) * torch.exp(torch.randn(4096, 1, generator=g))
-    z = x / x.abs().amax(dim=1, keepdim=True)
-    idx = torch.floor((z + 1) * 2048).clamp_(0, 4095).long()
-    counts = torch.bincount(idx.view(-1), minlength=HISTOGRAM_BINS)
-    c = optimal_codebook(counts)
-    _check_codebook(c)
-    # Endpoint bins are active (every block's extreme normalises to +-1).
-    assert counts[0] > 0 and counts[-1] > 0
-    # The codebook is the fp32 rounding of the exact quantizer's fp64 codewords.
-    active = counts > 0
-    c64, cost = optimal_quantizer(histogram_bin_centers()[active].double(),
-                                  counts[active].double())
-    assert torch.equal(c, c64.float())
-    # Its cost is the weighted error of assigning every bin to its segment's codeword, which
-    # is no larger than the error of nearest-codeword assignment with a uniform codebook.
-    uniform = torch.linspace(-1, 1, NUM_CODEWORDS, dtype=torch.float64)
-    pts = histogram_bin_centers()[active].double()
-    wts = counts[active].double()
-    err_uniform = float((wts * (pts[:, None] - uniform[None]).pow(2).min(dim=1).values).sum())
-    assert cost <= err_uniform
-
-
 def _benchmark_like_instance():
     """Points and counts of a realistic 4096-bin histogram (as ``optimal_codebook`` feeds)."""
     g = torch.Generator().manual_seed(11)
@@ -487,48 +454,6 @@ def test_bound_uses_the_recurrence_expressions_when_they_underflow():
     assert np.array_equal(c, ref_c) and cost == ref_cost
 
 
-def test_two_separated_clusters_are_recovered_exactly():
-    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
-    left = torch.arange(1000, 1127)
-    right = torch.arange(3000, 3127)
-    counts[left] = 50
-    counts[right] = 70
-    c = optimal_codebook(counts)
-    _check_codebook(c)
-    centers = histogram_bin_centers()
-    expected = torch.cat([torch.tensor([-1.0]), centers[left], centers[right],
-                          torch.tensor([1.0])])
-    assert torch.equal(c, expected)
-
-
-def test_exactly_k_active_bins_uses_forced_endpoints():
-    # M = K: segment 1 = bin 0 (coded -1), segment K = bin 4095 (coded +1), the rest singletons.
-    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
-    inner = torch.arange(100, 100 + 254 * 7, 7)
-    counts[0], counts[-1] = 9, 11
-    counts[inner] = 3
-    c = optimal_codebook(counts)
-    _check_codebook(c)
-    centers = histogram_bin_centers()
-    assert torch.equal(c[1:-1], centers[inner])
-    _, cost = optimal_quantizer(centers[counts > 0].double(), counts[counts > 0].double())
-    assert cost == 9 * (1 / 4096) ** 2 + 11 * (1 / 4096) ** 2
-
-
-def test_fewer_active_bins_than_codewords_keeps_every_centre():
-    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
-    bins = torch.tensor([0, 17, 900, 2048, 2049, 3000, 4095])
-    counts[bins] = torch.tensor([5, 1, 2, 100, 99, 3, 4])
-    c = optimal_codebook(counts)
-    _check_codebook(c, strict=False)
-    centers = histogram_bin_centers()[bins]
-    values = set(c.tolist())
-    assert values == set(centers.tolist()) | {-1.0, 1.0}
-    # Padding repeats the largest centre below +1; exactly K entries.
-    n_pad = NUM_CODEWORDS - len(bins) - 2
-    assert int((c == centers.max()).sum()) == n_pad + 1
-
-
 def test_one_active_bin_too_many_takes_the_cheapest_reduction():
     # M = K - 1 points, neither endpoint among them: K + 1 values do not fit.
     centers = histogram_bin_centers().double()
@@ -537,7 +462,7 @@ def test_one_active_bin_too_many_takes_the_cheapest_reduction():
     counts[bins] = 1000
     counts[bins[100]] = 1  # merging bins[100] with a neighbour is the cheapest reduction
     x, w = centers[bins], counts[bins].double()
-    c, cost = optimal_quantizer(x, w)
+    c, cost = optimal_quantizer_endpoints(x, w)
     # Candidates written from the math: first point to -1, last point to +1, or merge a pair.
     first = float(w[0] * (x[0] + 1) ** 2)
     last = float(w[-1] * (x[-1] - 1) ** 2)
@@ -549,81 +474,22 @@ def test_one_active_bin_too_many_takes_the_cheapest_reduction():
     expected = torch.cat([torch.tensor([-1.0], dtype=torch.float64), x[:p], mean[None],
                           x[p + 2:], torch.tensor([1.0], dtype=torch.float64)])
     assert torch.equal(c, expected)
-    _check_codebook(optimal_codebook(counts))
-
-
-def test_integer_counts_beyond_fp32_precision_are_kept():
-    # O4: counts above 2**24 differ by 1 yet must not be rounded together.
-    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
-    counts[0::8] = 2**25
-    counts[4::8] = 2**25 + 1
-    c = optimal_codebook(counts)
-    _check_codebook(c)
-    active = counts > 0
-    c64, _ = optimal_quantizer(histogram_bin_centers()[active].double(),
-                               counts[active].to(torch.float64))
-    assert torch.equal(c, c64.float())
-
-
-# ------------------------------------------------------------------------------------------
-# Errors
-# ------------------------------------------------------------------------------------------
-def test_codebook_input_errors():
-    with pytest.raises(TypeError, match="integer"):
-        optimal_codebook(torch.ones(HISTOGRAM_BINS))
-    with pytest.raises(ValueError, match="shape"):
-        optimal_codebook(torch.ones(10, dtype=torch.int64))
-    bad = torch.ones(HISTOGRAM_BINS, dtype=torch.int64)
-    bad[3] = -1
-    with pytest.raises(ValueError, match="non-negative"):
-        optimal_codebook(bad)
-    with pytest.raises(ValueError, match="all zero"):
-        optimal_codebook(torch.zeros(HISTOGRAM_BINS, dtype=torch.int64))
-    with pytest.raises(TypeError, match="torch.Tensor"):
-        optimal_codebook(np.ones(HISTOGRAM_BINS, dtype=np.int64))
 
 
 def test_quantizer_input_errors():
     x = np.array([-0.5, 0.0, 0.5])
     w = np.ones(3)
     with pytest.raises(ValueError, match="k must be >= 2"):
-        optimal_quantizer(x, w, 1)
+        optimal_quantizer_endpoints(x, w, 1)
     with pytest.raises(TypeError, match="k must be an int"):
-        optimal_quantizer(x, w, 2.0)
+        optimal_quantizer_endpoints(x, w, 2.0)
     with pytest.raises(ValueError, match="same length"):
-        optimal_quantizer(x, w[:2], 2)
+        optimal_quantizer_endpoints(x, w[:2], 2)
     with pytest.raises(ValueError, match="strictly increasing"):
-        optimal_quantizer(x[::-1].copy(), w, 2)
+        optimal_quantizer_endpoints(x[::-1].copy(), w, 2)
     with pytest.raises(ValueError, match=r"\[-1, 1\]"):
-        optimal_quantizer(x * 3, w, 2)
+        optimal_quantizer_endpoints(x * 3, w, 2)
     with pytest.raises(ValueError, match="> 0"):
-        optimal_quantizer(x, np.array([1.0, 0.0, 1.0]), 2)
+        optimal_quantizer_endpoints(x, np.array([1.0, 0.0, 1.0]), 2)
     with pytest.raises(ValueError, match="empty"):
-        optimal_quantizer(np.array([]), np.array([]), 2)
-
-
-# ------------------------------------------------------------------------------------------
-# The solver on the GPU (gefen_kernels.ops.quantizer_dp), through optimal_codebook
-# ------------------------------------------------------------------------------------------
-def _gpu_counts() -> list[tuple[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(8192, 512, generator=g) * torch.exp(torch.randn(8192, 1, generator=g))
-    z = x / x.abs().amax(dim=1, keepdim=True)
-    realistic = torch.bincount(torch.floor((z + 1) * 2048).clamp_(0, 4095).long().view(-1),
-                               minlength=HISTOGRAM_BINS)
-    flat = torch.ones(HISTOGRAM_BINS, dtype=torch.int64)  # every bin, equal weights: ties
-    sparse, _ = _sparse_codebook_instance()
-    return [("realistic", realistic), ("flat", flat), ("sparse 300 bins", sparse)]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_codebook_solved_on_cuda_equals_the_numpy_solver():
-    import gefen_kernels
-
-    if not gefen_kernels.triton_available():
-        pytest.fail("CUDA is present but Triton is not: the GPU solver cannot be tested")
-    for name, counts in _gpu_counts():
-        on_cuda = optimal_codebook(counts, device=torch.device("cuda"))
-        assert on_cuda.device.type == "cuda" and on_cuda.dtype == torch.float32
-        assert torch.equal(on_cuda.cpu(), optimal_codebook(counts)), name
+        optimal_quantizer_endpoints(np.array([]), np.array([]), 2)

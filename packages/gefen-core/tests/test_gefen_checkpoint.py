@@ -116,7 +116,9 @@ def test_resume_is_bit_identical(dtype: torch.dtype, options: dict) -> None:
 
 def test_state_dict_layout_matches_the_contract() -> None:
     model = Net()
-    opt = Gefen([{"params": list(model.named_parameters()), "my_extra": "kept"}], lr=1e-2)
+    # w1 ([24, 16]) is factored only with min_dim_size_to_factor = 0.
+    opt = Gefen([{"params": list(model.named_parameters()), "my_extra": "kept"}], lr=1e-2,
+                min_dim_size_to_factor=0)
     _train(model, opt, range(2))
     sd = opt.state_dict()
     assert set(sd) == {"state", "param_groups", "gefen_meta"}
@@ -127,6 +129,7 @@ def test_state_dict_layout_matches_the_contract() -> None:
     assert group["params"] == [0, 1, 2, 3]
     assert group["param_names"] == ["w1", "b1", "w2", "s"]
     assert group["my_extra"] == "kept" and group["betas"] == (0.9, 0.999)
+    assert group["min_dim_size_to_factor"] == 0
     assert torch.equal(group["gefen_meta"]["codebook"], meta["codebook"])
     w1 = sd["state"][0]
     assert set(w1) == {"step", "period", "exp_avg_codes", "exp_avg_scale", "exp_avg_sq_row",
@@ -144,7 +147,9 @@ def test_state_dict_layout_matches_the_contract() -> None:
 def _stepped() -> tuple[nn.Module, Gefen, dict]:
     model = Net()
     named = list(model.named_parameters())
-    opt = Gefen([{"params": named[:2]}, {"params": named[2:], "lr": 5e-3}], lr=1e-2)
+    # min_dim_size_to_factor = 0: w1 ([24, 16]) takes the factored second moment.
+    opt = Gefen([{"params": named[:2]}, {"params": named[2:], "lr": 5e-3}], lr=1e-2,
+                min_dim_size_to_factor=0)
     _train(model, opt, range(2))
     return model, opt, copy.deepcopy(opt.state_dict())
 
@@ -329,7 +334,7 @@ def test_capturable_and_eager_checkpoints_are_interchangeable() -> None:
 
 def test_factored_and_block_migrations() -> None:
     model = Net()
-    opt = Gefen(model.named_parameters(), lr=1e-2, factored_v_2d=True)
+    opt = Gefen(model.named_parameters(), lr=1e-2, factored_v_2d=True, min_dim_size_to_factor=0)
     _train(model, opt, range(3))
     sd = copy.deepcopy(opt.state_dict())
     block = Gefen(model.named_parameters(), lr=1e-2, factored_v_2d=False)
@@ -339,7 +344,7 @@ def test_factored_and_block_migrations() -> None:
     # O8: the stale factored statistics are dropped; the momentum and its age carry over.
     assert "exp_avg_sq_row" not in st and "exp_avg_sq" in st
     assert int(st["step"]) == 5 and int(st["exp_avg_sq_step"]) == 2
-    back = Gefen(model.named_parameters(), lr=1e-2, factored_v_2d=True)
+    back = Gefen(model.named_parameters(), lr=1e-2, factored_v_2d=True, min_dim_size_to_factor=0)
     back.load_state_dict(copy.deepcopy(block.state_dict()))
     _train(model, back, range(5, 6))
     st = back.state[model.w1]

@@ -90,7 +90,7 @@ def test_plain_gefen_never_calls_the_hook() -> None:
             return super()._factored_statistics(entries)
 
     p = torch.nn.Parameter(torch.randn(4, 6))
-    opt = Spy([p], lr=1e-2)
+    opt = Spy([p], lr=1e-2, min_dim_size_to_factor=0)
     p.grad = torch.randn(4, 6)
     opt.step()
     assert Spy.calls == 0 and "exp_avg_sq_row" in opt.state[p]

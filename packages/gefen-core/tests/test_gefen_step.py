@@ -86,7 +86,8 @@ def test_step_matches_float64_reference(factored: bool, maximize: bool,
                                         weight_decay: float) -> None:
     params = _tensors()
     opt = Gefen(list(params.items()), lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
-                weight_decay=weight_decay, maximize=maximize, factored_v_2d=factored)
+                weight_decay=weight_decay, maximize=maximize, factored_v_2d=factored,
+                min_dim_size_to_factor=0)
     group = opt.param_groups[0]
     for step in range(6):
         grads = _grads(params, step)
@@ -131,7 +132,7 @@ def test_low_and_high_precision_parameters(dtype: torch.dtype) -> None:
 def test_always_zero_rows_and_columns_do_not_drift() -> None:
     w = torch.randn(8, 12, requires_grad=True)
     start = w.detach().clone()
-    opt = Gefen([w], lr=1e-2, weight_decay=0.0)
+    opt = Gefen([w], lr=1e-2, weight_decay=0.0, min_dim_size_to_factor=0)
     gen = torch.Generator().manual_seed(3)
     for _ in range(10):
         g = torch.randn(8, 12, generator=gen)

@@ -141,6 +141,23 @@ def test_hybrid_defaults():
     assert bg["lr"] == 3e-3 and bg["weight_decay"] == 0.0 and bg["betas"] == (0.9, 0.999)
     assert bg["eps"] == 1e-8 and bg["factored_v_2d"] is False
     assert bg["force_1d_period_one"] is False and bg["force_2d_period_one"] is False
+    # The backup's factored_v_2d is pinned off (§5.3): its matrices, large (embedding, head)
+    # and small alike, take the per-block second moment, which is what the factoring rule
+    # asks of the small ones (docs/algorithm.md#factoring-rule).
+    assert bg["min_dim_size_to_factor"] == 128
+
+
+def test_backup_gefen_keeps_every_matrix_per_block():
+    backup = [("embed.weight", nn.Parameter(torch.randn(300, 256))),
+              ("lm_head.weight", nn.Parameter(torch.randn(10, 256)))]
+    hidden = [("layer.weight", nn.Parameter(torch.randn(32, 32)))]
+    opt = GefenMuonHybrid(hidden, backup, lr=1e-3)
+    for _, p in hidden + backup:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    for _, p in backup:
+        st = opt.backup.state[p]
+        assert "exp_avg_sq" in st and "exp_avg_sq_row" not in st
 
 
 def test_native_muon_scale_warns():

@@ -83,10 +83,20 @@ def factored_training(rank: int, world: int) -> dict:
 
     data = batches(STEPS, batch=4, seq=16, seed=3)
     model = shard(make_model(seed=0))
-    opt = ShardedGefen(model.named_parameters(), lr=LR)
+    # min_dim_size_to_factor = 0: every matrix of the tiny model factored (the default of 128
+    # would keep them all per-block).
+    opt = ShardedGefen(model.named_parameters(), lr=LR, min_dim_size_to_factor=0)
     ref = make_model(seed=0)
-    ref_opt = Gefen(ref.named_parameters(), lr=LR)
+    ref_opt = Gefen(ref.named_parameters(), lr=LR, min_dim_size_to_factor=0)
     fsdp = dict(model.named_parameters())
+    # The factoring rule reads the global shape (docs/algorithm.md#factoring-rule): registers
+    # [3, 32] has at most 2 rows on a rank but 3 in all.
+    from gefen_core import _dispatch
+
+    rule = {"factored_v_2d": True, "min_dim_size_to_factor": 3}
+    out_rule = [_dispatch.is_factored(fsdp["registers"], rule, sharded=True),
+                _dispatch.is_factored(fsdp["registers"], {**rule, "min_dim_size_to_factor": 4},
+                                      sharded=True)]
     plain = dict(ref.named_parameters())
     mats = [n for n, p in fsdp.items() if p.ndim == 2]
     out: dict = {}
@@ -141,6 +151,7 @@ def factored_training(rank: int, world: int) -> dict:
             worst["param_over_bound"] = max(worst["param_over_bound"],
                                             (diff / bound[n]).max().item())
     out.update(worst)
+    out["rule_on_global_shape"] = out_rule
     out["factored"] = sorted(n for n in mats if "exp_avg_sq_row" in opt.state[fsdp[n]]
                              and "exp_avg_sq" not in opt.state[fsdp[n]])
     out["mismatches"] = mismatches
@@ -184,6 +195,7 @@ def check_factored_training(results: list[dict], world: int) -> None:
         assert r["failure_error"] and "CollectiveCheckError" in r["failure_error"], r
         assert "rank(s) [1]" in r["failure_error"] and "exp_avg_sq_col" in r["failure_error"]
         assert r["failure_changed"] == [], (rank, r["failure_changed"])
+        assert r["rule_on_global_shape"] == [True, False], rank
     assert len({r["failure_error"] for r in results}) == 1
     # Every 2-D parameter is factored; registers [3, 32]: uneven on 2 ranks, empty on rank 3
     # of 4 (which still joins every all-reduce and keeps k).

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="memorisation steps (default 30)")
     parser.add_argument("--lr", type=float, default=3e-3,
                         help="AdamW learning rate; other optimizers use their registry "
-                             "lr_scale times this (Gefen 0.6x) (default 3e-3)")
+                             "lr_scale times this (Gefen 1x) (default 3e-3)")
     parser.add_argument("--width", type=int, default=1,
                         help="width multiplier of the tiny configs (1 = CPU size)")
     parser.add_argument("--dtype", default="float32", choices=list(_DTYPES),

@@ -1,17 +1,21 @@
 """``gefen-bench codebook``: wall time of the exact optimal codebook solver.
 
-The codebook of Gefen (ALGORITHM.md §1.8) is the exact optimal 256-level quantizer of a
-4096-bin histogram of block-normalised gradients. The textbook recurrence costs about
-``K * M**2 / 2 = 2e9`` steps for ``M = 4096`` active bins (§8 item 1); ``gefen_core.codebook``
-solves the same problem exactly with monotone-argmin windows in numpy. Target (issue 3):
-<= 50 ms for 4096 active bins on the 2-core CPU machine.
+The codebook of Gefen (docs/algorithm.md#codebook, #codebook-solver) is the exact optimal
+256-level quantizer, with the codewords -1, 0 and +1 forced (#zero-codeword), of a histogram of
+block-normalised gradients (4096 bins and the zero bin). The textbook recurrence costs about
+``K * M**2 / 2 = 2e9`` steps for ``M = 4096`` active bins, for each position of the zero
+codeword; ``gefen_core.codebook`` solves the same problem exactly by splitting it at 0 and
+running monotone-argmin windows in numpy on each side. Target: <= 50 ms for 4096 active bins on
+the 2-core CPU machine.
 
 The command builds a realistic histogram (Student-t gradients with log-normal row scales,
 normalised per block of 256, binned like ``gefen_kernels.histogram``), times
-``optimal_codebook`` (median of ``--repeats`` runs, wall and CPU time), and, unless ``--no-naive``,
-times a vectorised textbook recurrence on a smaller instance of the same histogram, checks the
-two results are identical and reports the speed-up there and the textbook time extrapolated to
-the full problem (``K * M**2`` scaling).
+``optimal_codebook`` (median of ``--repeats`` runs, wall and CPU time) and reports what the
+split solve computed (the chosen split, its window, the rows computed). Unless ``--no-naive``,
+it times a vectorised textbook recurrence of the endpoint problem (the building block each side
+solves, ``optimal_quantizer_endpoints``) on a smaller instance of the same histogram, checks
+the two results are identical and reports the speed-up there and the textbook time
+extrapolated to the full problem (``K * M**2`` scaling).
 """
 
 from __future__ import annotations
@@ -52,12 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def realistic_counts(elements: int, period: int, seed: int) -> torch.Tensor:
-    """int64 ``[4096]`` histogram of block-normalised Student-t(4) gradients (§1.8.2 binning).
+    """int64 ``[4097]`` histogram of block-normalised Student-t(4) gradients
+    (docs/algorithm.md#histogram).
 
     Rows of ``period`` elements get log-normal scales (sigma 1), as gradients of different
     output channels do; every block's extreme lands in bin 0 or 4095. Binned by
-    ``gefen_kernels``' reference histogram (a block whose values are all zero, possible at
-    ``period = 1``, counts in the middle bin).
+    ``gefen_kernels``' reference histogram (exact zeros, none here, would go to the zero bin).
     """
     from gefen_kernels.ops.histogram import histogram_reference
 
@@ -102,23 +106,25 @@ def _textbook(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float]:
     return out, float(d[k, m])
 
 
-def _pruning(counts: torch.Tensor) -> dict[str, float]:
-    """How much of the recurrence the solver skipped on ``counts``: rows computed over the
-    textbook's ``R = M - K + 1`` per layer (all layers; the least and most of layers 2-21) and
-    its upper bound over the optimum (``gefen_core.codebook`` module docstring)."""
-    from gefen_core.codebook import _LayeredDP, histogram_bin_centers
+def _pruning(counts: torch.Tensor) -> dict[str, Any]:
+    """What the split solve computed on ``counts`` (``gefen_core.codebook`` module docstring):
+    the chosen number of codewords at or below 0 (``k_left``, the zero codeword counted), the
+    final window of that number, the rows both sides computed over the rows of the layers they
+    ran, and the row bound over the optimum."""
+    from gefen_core.codebook import HISTOGRAM_BINS, _solve_forced_zero, histogram_bin_centers
 
     c = counts.numpy()
-    active = np.flatnonzero(c)
+    active = np.flatnonzero(c[:HISTOGRAM_BINS])
     x = histogram_bin_centers().numpy().astype(np.float64)[active]
-    solver = _LayeredDP(x, c[active].astype(np.float64), 256)
-    _, cost = solver.solve()
-    full = solver.rows
-    kept = np.asarray(solver.rows_computed, dtype=np.float64) / full
-    return {"rows_fraction": float(kept.mean()),
-            "rows_fraction_first_20_min": float(kept[:20].min()),
-            "rows_fraction_first_20_max": float(kept[:20].max()),
-            "bound_over_optimum": solver.bound / cost}
+    w = c[active].astype(np.float64)
+    if c.size > HISTOGRAM_BINS and c[HISTOGRAM_BINS]:
+        at = int(np.searchsorted(x, 0.0))
+        x, w = np.insert(x, at, 0.0), np.insert(w, at, float(c[HISTOGRAM_BINS]))
+    stats: dict[str, Any] = {}
+    _solve_forced_zero(x, w, 256, stats)
+    return {"k_left": stats["k_left"], "window": list(stats["window"]),
+            "rows_fraction": stats["rows_computed"] / stats["rows_of_layers"],
+            "bound_over_optimum": stats["bound_over_optimum"]}
 
 
 def _time(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
@@ -134,7 +140,11 @@ def _time(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time the solver (and the textbook recurrence on a smaller instance); print and return."""
-    from gefen_core.codebook import histogram_bin_centers, optimal_codebook, optimal_quantizer
+    from gefen_core.codebook import (
+        histogram_bin_centers,
+        optimal_codebook,
+        optimal_quantizer_endpoints,
+    )
 
     for name in ("repeats", "elements", "period", "naive_bins", "naive_k"):
         if getattr(args, name) < 1:
@@ -157,26 +167,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "codebook_first_last": [float(codebook[1]), float(codebook[-2])],
     }
+    results["codebook_has_minus_one_zero_plus_one"] = bool(
+        codebook[0] == -1 and codebook[-1] == 1 and (codebook == 0).any())
     rows = [["optimal_codebook (4096-bin histogram)", active, 256, wall, cpu]]
     results["pruning"] = _pruning(counts)
-    if torch.cuda.is_available():
-        # The same solve on the GPU (one launch per layer), timed to the codewords' arrival:
-        # what the optimizer's first step waits for. Its codewords must be the numpy solver's.
-        dev = torch.device("cuda")
-
-        def on_cuda() -> torch.Tensor:
-            out = optimal_codebook(counts, device=dev)
-            torch.cuda.synchronize(dev)
-            return out
-
-        on_cuda()  # warm-up (kernel load)
-        g_wall, g_cpu, g_codebook = _time(on_cuda, args.repeats)
-        results.update({"cuda_solver_ms_median_wall": g_wall,
-                        "cuda_device_name": torch.cuda.get_device_name(dev),
-                        "cuda_identical_to_numpy": bool(torch.equal(g_codebook.cpu(),
-                                                                    codebook))})
-        rows.append(["optimal_codebook on cuda (Triton)", active, 256, g_wall,
-                     g_cpu])
 
     if not args.no_naive:
         centers = histogram_bin_centers().double().numpy()
@@ -186,7 +180,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         w = counts.numpy()[nz[pick]].astype(np.float64)
         k = args.naive_k
         t_wall, t_cpu, (ref_c, ref_cost) = _time(lambda: _textbook(x, w, k), 1)
-        s_wall, s_cpu, (c, cost) = _time(lambda: optimal_quantizer(x, w, k), args.repeats)
+        s_wall, s_cpu, (c, cost) = _time(lambda: optimal_quantizer_endpoints(x, w, k),
+                                         args.repeats)
         identical = bool(np.array_equal(c.numpy(), ref_c) and cost == ref_cost)
         scale = (256 / k) * (active / x.size) ** 2
         results.update({
@@ -197,21 +192,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         })
         rows.append([f"textbook recurrence (numpy, {x.size} bins)", int(x.size), k, t_wall,
                      t_cpu])
-        rows.append([f"optimal_quantizer (same {x.size} bins)", int(x.size), k, s_wall, s_cpu])
+        rows.append([f"optimal_quantizer_endpoints (same {x.size} bins)", int(x.size), k,
+                     s_wall, s_cpu])
     print_table("Exact optimal codebook: solver time", ["solver", "active bins", "K",
                                                        "median ms (wall)", "median ms (cpu)"],
                 rows, caption=f"target <= {TARGET_MS:.0f} ms for 4096 active bins; load average "
                         f"{results['load_average_1_5_15']}")
     pr = results["pruning"]
-    console.print(f"rows computed: {100 * pr['rows_fraction']:.0f}% of the textbook's "
-                  f"({100 * pr['rows_fraction_first_20_min']:.0f}-"
-                  f"{100 * pr['rows_fraction_first_20_max']:.0f}% in layers 2-21); bound "
+    console.print(f"codewords -1, 0, +1 present: {results['codebook_has_minus_one_zero_plus_one']};"
+                  f" split: {pr['k_left']} codewords at or below 0 (window "
+                  f"{pr['window'][0]}-{pr['window'][1]}); rows computed: "
+                  f"{100 * pr['rows_fraction']:.0f}% of the layers' rows; bound "
                   f"{100 * (pr['bound_over_optimum'] - 1):.2f}% above the optimum")
-    if "cuda_identical_to_numpy" in results:
-        console.print(f"cuda solver codewords identical to numpy's: "
-                      f"{results['cuda_identical_to_numpy']}")
     if not args.no_naive:
-        console.print(f"textbook vs solver on the small instance: identical = {identical}, "
+        console.print(f"endpoint textbook vs solver on the small instance: identical = "
+                      f"{identical}, "
                       f"speed-up x{results['speedup_on_naive_instance']:.0f}; textbook on the "
                       f"full problem ~{results['naive_full_size_estimate_s']:.0f} s "
                       "(K*M^2 extrapolation)")

@@ -5,8 +5,10 @@ Llama-3.2-1B, untied head) the command builds the real optimizer with its defaul
 random bf16 parameters with random bf16 gradients, runs its first step (period search,
 codebook, first update — which is when the state is allocated), and counts the bytes of
 every distinct storage the optimizer then holds (:mod:`.state_bytes`). bf16 on CPU needs
-about 7.5 GB of RAM for the Llama set (parameters + gradients + state). The target of issue 3
-is ≤ 1.02 bytes/param with the defaults.
+about 7.5 GB of RAM for the Llama set (parameters + gradients + state). The target is ≤ 1.02
+bytes/param with the defaults. Each row also counts the tensors by second-moment mode
+(factored, per block) and records the groups' ``min_dim_size_to_factor`` (the factoring rule,
+docs/algorithm.md#factoring-rule: a matrix is factored only if both sides are at least it).
 """
 
 from __future__ import annotations
@@ -54,6 +56,23 @@ def _period_histogram(opts: list[torch.optim.Optimizer]) -> dict[str, int]:
     return {str(k): v for k, v in sorted(periods.items())}
 
 
+def _second_moment_modes(opts: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """Tensors by second-moment mode (``exp_avg_sq_row``: factored, ``exp_avg_sq``: per
+    block) and the distinct ``min_dim_size_to_factor`` values of the groups."""
+    modes: Counter[str] = Counter()
+    rules: set[int] = set()
+    for o in opts:
+        for st in o.state.values():
+            if isinstance(st, dict):
+                if "exp_avg_sq_row" in st:
+                    modes["factored"] += 1
+                elif "exp_avg_sq" in st:
+                    modes["per_block"] += 1
+        rules.update(int(g["min_dim_size_to_factor"]) for g in o.param_groups
+                     if "min_dim_size_to_factor" in g)
+    return {"modes": dict(modes), "min_dim_size_to_factor": sorted(rules)}
+
+
 def measure(name: str, model: str, *, scale: str, dtype: torch.dtype,
             device: torch.device) -> dict[str, Any]:
     """Build ``name`` over ``model``'s shapes, take one step, return the state figures."""
@@ -69,7 +88,8 @@ def measure(name: str, model: str, *, scale: str, dtype: torch.dtype,
     state = state_bytes_per_param(opts, params)
     return {"model": model, "optimizer": name, "tensors": len(shapes), "params": numel(shapes),
             "state_bytes": state["state_bytes"], "bytes_per_param": state["bytes_per_param"],
-            "first_step_s": first_step_s, "periods": _period_histogram(opts)}
+            "first_step_s": first_step_s, "periods": _period_histogram(opts),
+            "second_moment": _second_moment_modes(opts)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,10 +129,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               r["bytes_per_param"],
               ("yes" if r["bytes_per_param"] <= TARGET_BYTES_PER_PARAM else "NO")
               if r["optimizer"].startswith("gefen") else "-",
+              " / ".join(f"{k} {v}" for k, v in sorted(r["second_moment"]["modes"].items()))
+              or "-",
+              ",".join(map(str, r["second_moment"]["min_dim_size_to_factor"])) or "-",
               r["first_step_s"]] for r in rows]
     print_table(f"optimizer state after the first step · {device} · {args.dtype}",
                 ["optimizer", "model", "tensors", "params", "state bytes", "B/param",
-                 f"<= {TARGET_BYTES_PER_PARAM}", "first step s"], table)
+                 f"<= {TARGET_BYTES_PER_PARAM}", "second moment", "min dim to factor",
+                 "first step s"], table)
     report = {"device": str(device), "dtype": args.dtype, "scale": args.scale,
               "target_bytes_per_param": TARGET_BYTES_PER_PARAM, "rows": rows,
               "skipped": skipped, "failed": failed}

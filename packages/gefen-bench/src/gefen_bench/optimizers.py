@@ -31,8 +31,10 @@ Builder = Callable[..., list[torch.optim.Optimizer]]
 # Name fragments that route a 2-D parameter away from Muon (ALGORITHM.md §5.2 rule 4).
 _MUON_EXCLUDED_NAMES = ("embed", "wte", "wpe", "lm_head", "classifier", "score")
 
-# Gefen's default learning rate as a multiple of AdamW's (the registry's lr_scale of "gefen").
-GEFEN_LR_RATIO = 0.6
+# Gefen's default learning rate as a multiple of AdamW's (the registry's lr_scale of "gefen"):
+# an untuned comparison gives Gefen AdamW's LR; a sweep on the task may find another
+# (gefen-bench train tunes every optimizer on one shared grid).
+GEFEN_LR_RATIO = 1.0
 
 # Published packages that import as ``gefen``: --target key -> version prefix it must have.
 EXTERNAL_PACKAGES = {"gefen-x": "0.5.", "gefen": "1.2."}
@@ -195,7 +197,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
         OptimizerSpec("gefen", "gefen_core.Gefen, defaults (factored second moment)",
                       GEFEN_LR_RATIO,
                       _build_gefen, requires="gefen-core", min_bytes_per_param=8.0),
-        OptimizerSpec("gefen-blockv", "gefen_core.Gefen(factored_v_2d=False)", 0.6,
+        OptimizerSpec("gefen-blockv", "gefen_core.Gefen(factored_v_2d=False)", GEFEN_LR_RATIO,
                       lambda n, **kw: _build_gefen(n, factored_v_2d=False, **kw),
                       requires="gefen-core", min_bytes_per_param=8.0,
                       options={"factored_v_2d": False}),
@@ -207,7 +209,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       options={"capturable": True}, graph=True),
         OptimizerSpec("gefen-blockv-graph",
                       "gefen_core.Gefen(factored_v_2d=False, capturable=True), step in a CUDA "
-                      "graph", 0.6,
+                      "graph", GEFEN_LR_RATIO,
                       lambda n, **kw: _build_gefen(n, factored_v_2d=False, capturable=True,
                                                    **kw),
                       requires="gefen-core and a CUDA device", min_bytes_per_param=8.0,
@@ -227,7 +229,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       min_bytes_per_param=10.0),
         # The hybrids share one lr (ALGORITHM.md §5.3) and their Muon half uses
         # adjust_lr_fn="match_rms_adamw", so they take the lr torch.optim.Muon gets in "muon"
-        # (1 x AdamW's), not plain Gefen's 0.6. Measured on the LM task (held-out loss,
+        # (1 x AdamW's), as plain Gefen does. Measured on the LM task (held-out loss,
         # docs/results/cpu-lm-muon/README.md): at 0.6 x the AdamW-backup hybrid was 15% behind
         # "muon", at 1 x 0.9%; the Gefen-backup hybrid with its backup at 0.6 x lr was 2.4%
         # worse than with the shared lr.
@@ -247,14 +249,17 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       min_bytes_per_param=8.0),
         OptimizerSpec("bnb-adamw8bit", "bitsandbytes.optim.AdamW8bit", 1.0, _build_bnb,
                       requires="gefen-bench[peers] (bitsandbytes)", min_bytes_per_param=10.0),
-        OptimizerSpec("gefenx-0.5", "published gefen-x 0.5.0 Gefen (own process)", 0.6,
+        OptimizerSpec("gefenx-0.5", "published gefen-x 0.5.0 Gefen (own process)",
+                      GEFEN_LR_RATIO,
                       _build_external, requires="--target gefen-x=DIR", external="gefen-x",
                       min_bytes_per_param=8.0),
         OptimizerSpec("gefenx-0.5-blockv", "published gefen-x 0.5.0 Gefen(factored_v_2d=False)",
-                      0.6, lambda n, **kw: _build_external(n, factored_v_2d=False, **kw),
+                      GEFEN_LR_RATIO,
+                      lambda n, **kw: _build_external(n, factored_v_2d=False, **kw),
                       requires="--target gefen-x=DIR", external="gefen-x",
                       min_bytes_per_param=8.0, options={"factored_v_2d": False}),
-        OptimizerSpec("gefen-1.2", "published gefen 1.2.3 Gefen (own process)", 0.6,
+        OptimizerSpec("gefen-1.2", "published gefen 1.2.3 Gefen (own process)",
+                      GEFEN_LR_RATIO,
                       _build_external, requires="--target gefen=DIR", external="gefen",
                       min_bytes_per_param=8.0),
     ]

@@ -40,7 +40,10 @@ class LMConfig:
     param_dtype: str = "float32"
     autocast_bf16: bool = False
     max_train_bytes: int | None = None
-    sweep_steps: int = 100
+    # Steps of each LR-sweep run (gefen-bench train's shared-grid sweep, validation split):
+    # a quarter of the reported run, so that the CPU default's sweep (5 optimizers x 3 LRs)
+    # costs about as much as its reported LM runs and the whole job stays within 10 minutes.
+    sweep_steps: int = 75
 
 
 @dataclass(frozen=True)
@@ -58,9 +61,7 @@ class DigitsConfig:
     hidden: int = 64
     # 20 epochs = 340 steps of 64 (the training split is 1077 images). Measured (3 seeds,
     # held-out, docs/benchmarks.md "digits"): AdamW's accuracy is 97.33% after 10 epochs and
-    # 98.00 / 98.15 / 98.22% after 20 / 30 / 40, so 20 is where it has levelled off; at 10,
-    # Gefen (0.6x the LR, so less distance travelled per step) was still catching up
-    # (96.07%) rather than worse (97.85 / 98.15 / 98.07% at 20 / 30 / 40).
+    # 98.00 / 98.15 / 98.22% after 20 / 30 / 40, so 20 is where it has levelled off.
     epochs: int = 20
     batch: int = 64
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -69,7 +70,9 @@ class DigitsConfig:
     weight_decay: float = 0.01
     warmup_frac: float = 0.05
     final_lr_frac: float = 0.1
+    # Each LR-sweep run: this many epochs on the first ``sweep_seeds`` seeds.
     sweep_epochs: int = 10
+    sweep_seeds: int = 1
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,8 @@ PRESETS: dict[str, Preset] = {
                # AdamW's LR for the MLP is AdamW's own best on the validation split of
                # {1e-3, 3e-3, 1e-2, 3e-2} at 20 epochs (mean val loss 0.162 / 0.103 / 0.089 /
                # 0.089, seed std 0.002 at 1e-2 against 0.022 at 3e-2); by epoch 20 its
-               # held-out loss has levelled off (and rises again by 30). Every other
-               # optimizer gets its registry multiple of it (Gefen 0.6x).
+               # held-out loss has levelled off (and rises again by 30). The LR sweep's shared
+               # grid is built around it.
                DigitsConfig(model="mlp", hidden=128, epochs=20, adamw_lr=1e-2)),
         Preset("tiny", "smoke test: a few steps of a 2-layer d=32 model",
                LMConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -30,7 +30,11 @@ def _job_function(kind: str) -> Callable[[dict[str, Any], Emit], dict[str, Any]]
         from .step import run_step_job
 
         return run_step_job
-    raise ValueError(f"unknown job kind {kind!r}; expected lm, digits, arch or step")
+    if kind == "sweep":
+        from .train_sweep import run_sweep_job
+
+        return run_sweep_job
+    raise ValueError(f"unknown job kind {kind!r}; expected lm, digits, arch, step or sweep")
 
 
 def main() -> int:

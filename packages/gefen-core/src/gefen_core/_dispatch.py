@@ -60,13 +60,16 @@ def local_numel(t: Tensor) -> int:
 
 
 def is_factored(param: Tensor, group: dict[str, Any], *, sharded: bool = False) -> bool:
-    """Factored second moment (§1.11) for 2-D tensors when ``factored_v_2d`` is set.
+    """Factored second moment (§1.11) for 2-D tensors when ``factored_v_2d`` is set and both
+    sides of the (global) shape are at least the group's ``min_dim_size_to_factor``
+    (docs/algorithm.md#factoring-rule; a group without the key factors every matrix).
 
     A DTensor matrix is factored only when ``sharded`` is true: its local rows' column sums
     and ``sum(r)`` are partial, so only an optimizer that reduces them across the shards
     (``Gefen._factored_statistics`` overridden, e.g. ``gefen_dist.ShardedGefen``) may use
     the factored form; otherwise it takes block mode."""
     return bool(group["factored_v_2d"]) and param.ndim == 2 and (
+        min(param.shape) >= group.get("min_dim_size_to_factor", 0)) and (
         sharded or not is_dtensor(param))
 
 

@@ -42,6 +42,14 @@ DIFFERENTIABLE_DOC = r"""differentiable (bool, optional): must be ``False``. The
             re-quantized to uint8 codes every step, which has no gradient, so autograd through
             the step is not supported; ``True`` raises (default: False)"""
 
+MIN_DIM_SIZE_TO_FACTOR_DOC = r"""min_dim_size_to_factor (int, optional): with ``factored_v_2d``, a
+            2-D parameter is factored only if both sides of its (global) shape are at least
+            this; smaller matrices keep the per-block second moment, which estimates them
+            better (docs/algorithm.md#factoring-rule; Adafactor's convention). ``0`` factors
+            every 2-D parameter, the rule before this option. An int >= 0, per group, saved
+            with the group; a checkpoint without it loads with ``0``, the rule it was saved
+            under, so every parameter keeps its mode (default: 128)"""
+
 MAXIMIZE_DOC = r"""maximize (bool, optional): maximize the objective with respect to the
             params, instead of minimizing (default: False)"""
 

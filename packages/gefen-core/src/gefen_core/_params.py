@@ -142,6 +142,13 @@ def check_group_options(group: Mapping[str, Any], where: str) -> None:
                 "force_1d_period_one", "force_2d_period_one"):
         if not isinstance(group[key], bool):
             raise TypeError(f"{where}: {key} must be a bool, got {group[key]!r}")
+    min_dim = group["min_dim_size_to_factor"]
+    if not isinstance(min_dim, int) or isinstance(min_dim, bool) or min_dim < 0:
+        raise ValueError(
+            f"{where}: min_dim_size_to_factor must be an int >= 0 (a 2-D parameter is factored "
+            f"when both sides are at least this; 0 factors every 2-D parameter), got "
+            f"{min_dim!r}"
+        )
     for key in ("foreach", "fused"):
         if group[key] is not None and not isinstance(group[key], bool):
             raise TypeError(f"{where}: {key} must be None or a bool, got {group[key]!r}")

@@ -15,8 +15,8 @@ anything is mutated, that a full step would build exactly the same launches:
   validation of §1.6 C, and what chose the launch classes);
 * each group's options other than ``lr`` and ``weight_decay`` (the plans are built for
   ``betas``, ``eps``, ``maximize`` and the rounding; the path for ``fused``, ``foreach``,
-  ``factored_v_2d``, ``capturable``); ``lr`` and ``weight_decay`` are read every step, as in
-  the full step;
+  ``factored_v_2d``, ``min_dim_size_to_factor``, ``capturable``); ``lr`` and ``weight_decay``
+  are read every step, as in the full step;
 * each stepped parameter's state entries (identity), the address of every planned tensor
   (``p.data = ...`` keeps a tensor's identity but moves its storage), the parameters' dtypes,
   devices and contiguity (a transposed square matrix keeps its address and shape);
@@ -64,7 +64,7 @@ __all__ = ["SteadyStep", "build"]
 # The group options the recorded plans and paths depend on (lr and weight_decay only enter
 # the per-step scalars, which are recomputed every step).
 _OPTION_KEYS = ("betas", "eps", "maximize", "stochastic_round", "capturable", "fused",
-                "foreach", "factored_v_2d")
+                "foreach", "factored_v_2d", "min_dim_size_to_factor")
 _STRIDED = torch.strided
 
 

@@ -375,6 +375,10 @@ def stage_load(opt: Gefen, sd: Mapping[str, Any]) -> Staged:
             _params.merge_betas(g, where)
             for key in _params.IMPLEMENTATION_KEYS:
                 g[key] = live[key]
+            # docs/algorithm.md#factoring-rule: a group saved before min_dim_size_to_factor
+            # existed factored every 2-D parameter; keeping that rule keeps each parameter's
+            # second moment in the mode it was saved in (never a guess from the live default).
+            g.setdefault("min_dim_size_to_factor", 0)
             for key, default in opt.defaults.items():
                 g.setdefault(key, default)
             g["betas"] = _params.check_betas(g["betas"], where)

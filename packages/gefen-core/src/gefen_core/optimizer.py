@@ -31,11 +31,11 @@ class Gefen(Optimizer):
 
     The first moment is stored as uint8 codes into one learned 256-entry codebook shared by
     all tensors, times one fp32 scale per block of ``P`` consecutive elements; the second
-    moment is one fp32 value per block, or (2-D parameters, ``factored_v_2d=True``) Adafactor
-    row and column statistics. The codebook is the exact MSE-optimal 256-level quantizer
-    (endpoints fixed at :math:`\pm 1`) of the histogram of block-normalised first-step
-    gradients; each tensor's block period :math:`P` is found on its first step from the
-    structure of :math:`g^2`. Math: ``shared/design/ALGORITHM.md`` §1.
+    moment is one fp32 value per block, or (matrices, docs/algorithm.md#factoring-rule)
+    Adafactor row and column statistics. The codebook is the exact MSE-optimal quantizer
+    (codewords -1, 0, +1 forced) of the histogram of block-normalised first-step gradients;
+    each tensor's block period :math:`P` is found on its first step from the structure of
+    :math:`g^2`. Math: docs/algorithm.md#step, #zero-codeword.
 
     .. math::
        \begin{aligned}
@@ -64,7 +64,9 @@ class Gefen(Optimizer):
 
     :math:`\mathrm{round}_c` is the nearest codeword (ties to the lower index) or, with
     ``stochastic_round``, unbiased stochastic rounding seeded by the step and a per-tensor
-    salt (§1.9). The update uses the *re-quantized* momentum. The canonical fp32 rounding
+    salt (§1.9); where :math:`g_{t,i} = 0`, both round toward zero, so a stopped coordinate's
+    update reaches 0 as AdamW's does (docs/algorithm.md#toward-zero-rounding). The update uses
+    the *re-quantized* momentum. The canonical fp32 rounding
     sequence is that of §1.10/§1.11.
 
     Args:
@@ -90,6 +92,7 @@ class Gefen(Optimizer):
         {fused}
         factored_v_2d (bool, optional): factored (row/column) second moment for 2-D
             parameters, §1.11 (default: True)
+        {min_dim_size_to_factor}
         stochastic_round (bool, optional): unbiased stochastic rounding of the momentum codes
             on every path, §1.9 (default: False)
         deterministic (bool, optional): fixed-order reductions everywhere so identical inputs
@@ -173,6 +176,7 @@ class Gefen(Optimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         factored_v_2d: bool = True,
+        min_dim_size_to_factor: int = 128,
         stochastic_round: bool = False,
         deterministic: bool = False,
         period_search: str = "log_contrast",
@@ -201,9 +205,9 @@ class Gefen(Optimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize,
             foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
-            factored_v_2d=factored_v_2d, stochastic_round=stochastic_round,
-            period_search=period_search, force_1d_period_one=force_1d_period_one,
-            force_2d_period_one=force_2d_period_one,
+            factored_v_2d=factored_v_2d, min_dim_size_to_factor=min_dim_size_to_factor,
+            stochastic_round=stochastic_round, period_search=period_search,
+            force_1d_period_one=force_1d_period_one, force_2d_period_one=force_2d_period_one,
             period_one_substrings=_params.normalize_substrings(period_one_substrings, where),
         )
         _params.check_group_options(defaults, where)
@@ -369,7 +373,7 @@ class Gefen(Optimizer):
         return out
 
     def _reduce_histogram(self, counts: Tensor) -> Tensor:
-        """Combine the int64 ``[4096]`` codebook histogram across replicas. Identity here;
+        """Combine the int64 ``[4097]`` codebook histogram across replicas. Identity here;
         a distributed subclass all-reduces it (sum) so every rank learns the same codebook."""
         return counts
 
@@ -868,6 +872,7 @@ Gefen.__doc__ = _docs.interpolate(
     maximize=_docs.MAXIMIZE_DOC, foreach=_docs.FOREACH_DOC, capturable=_docs.CAPTURABLE_DOC,
     differentiable=_docs.DIFFERENTIABLE_DOC, fused=_docs.FUSED_DOC,
     skip_nonfinite=_docs.SKIP_NONFINITE_DOC,
+    min_dim_size_to_factor=_docs.MIN_DIM_SIZE_TO_FACTOR_DOC,
     # The shared texts are indented for an Args entry; re-indent them for their sections.
     dispatch=_docs.DISPATCH_RULE.replace("\n            ", "\n        "),
     nan_policy=_docs.NAN_POLICY.replace("\n            ", "\n    "),

@@ -2,7 +2,9 @@
 
 ``python -m gefen_core.state_size`` prints the state bytes per parameter of Gefen for a
 GPT-2 (124M) and a Llama-3.2-1B parameter set built from their shapes (nothing is downloaded),
-with the defaults (factored second moment for 2-D tensors) and in block mode.
+with the defaults (factored second moment for 2-D tensors whose sides are both at least
+``min_dim_size_to_factor = 128``, docs/algorithm.md#factoring-rule), with every 2-D tensor
+factored (``min_dim_size_to_factor = 0``), and in block mode.
 
 The block period of each tensor is the one the period search settles on for gradients without
 block structure (the search finds no period, so the memory-safe fallback of §1.7.4 decides);
@@ -20,17 +22,20 @@ from .period import memory_safe_fallback
 Shape = tuple[int, ...]
 
 
-def state_bytes(shape: Shape, period: int, *, factored: bool) -> int:
+def state_bytes(shape: Shape, period: int, *, factored: bool,
+                min_dim_size_to_factor: int = 0) -> int:
     """Persistent state bytes of one tensor: uint8 codes (1 B/element), an fp32 scale per
-    block, and an fp32 second moment per block (block mode) or per row and column (factored,
-    2-D only). The 0-dim counters and the shared 1 KiB codebook are not counted."""
+    block, and an fp32 second moment per block (block mode) or per row and column (factored:
+    2-D with both sides at least ``min_dim_size_to_factor``). The 0-dim counters and the
+    shared 1 KiB codebook are not counted."""
     numel = 1
     for d in shape:
         numel *= d
     if numel == 0:
         return 0
     blocks = numel // period
-    second = 4 * (shape[0] + shape[1]) if factored and len(shape) == 2 else 4 * blocks
+    factored = factored and len(shape) == 2 and min(shape) >= min_dim_size_to_factor
+    second = 4 * (shape[0] + shape[1]) if factored else 4 * blocks
     return numel + 4 * blocks + second
 
 
@@ -65,14 +70,16 @@ def llama32_1b_shapes(*, tied_head: bool = True) -> list[Shape]:
     return shapes
 
 
-def bytes_per_param(shapes: Iterable[Shape], *, factored: bool) -> tuple[int, int]:
+def bytes_per_param(shapes: Iterable[Shape], *, factored: bool,
+                    min_dim_size_to_factor: int = 128) -> tuple[int, int]:
     """(total state bytes, total parameters) for Gefen with the default periods."""
     total = params = 0
     for shape in shapes:
         numel = 1
         for d in shape:
             numel *= d
-        total += state_bytes(shape, default_period(shape), factored=factored)
+        total += state_bytes(shape, default_period(shape), factored=factored,
+                             min_dim_size_to_factor=min_dim_size_to_factor)
         params += numel
     return total, params
 
@@ -89,11 +96,13 @@ def main(argv: list[str] | None = None) -> None:
         "llama-3.2-1b" + ("-untied" if args.untied_head else ""):
             llama32_1b_shapes(tied_head=not args.untied_head),
     }
-    print(f"{'model':<22}{'params':>15}{'mode':>10}{'state MiB':>12}{'bytes/param':>13}")
+    print(f"{'model':<22}{'params':>15}{'mode':>18}{'state MiB':>12}{'bytes/param':>13}")
     for name, shapes in models.items():
-        for mode, factored in (("factored", True), ("block", False)):
-            total, params = bytes_per_param(shapes, factored=factored)
-            print(f"{name:<22}{params:>15,}{mode:>10}{total / 2**20:>12.1f}"
+        for mode, factored, min_dim in (("default", True, 128), ("all 2-D factored", True, 0),
+                                        ("block", False, 0)):
+            total, params = bytes_per_param(shapes, factored=factored,
+                                            min_dim_size_to_factor=min_dim)
+            print(f"{name:<22}{params:>15,}{mode:>18}{total / 2**20:>12.1f}"
                   f"{total / params:>13.4f}")
 
 

@@ -30,7 +30,9 @@ on every step, first of all (one all-reduce), so a non-finite gradient on any ra
 step on every rank (docs/algorithm.md#non-finite-gradients). A rank-local problem thus becomes
 the same error (or the same skipped step) on every rank instead of a hang.
 
-* **Factored second moment** (``factored_v_2d=True``, §1.11). A ``Shard(0)`` rank holds whole
+* **Factored second moment** (``factored_v_2d=True``, §1.11), for matrices whose global sides
+  are both at least ``min_dim_size_to_factor`` (default 128, docs/algorithm.md#factoring-rule;
+  smaller ones keep the per-block second moment, as in ``Gefen``). A ``Shard(0)`` rank holds whole
   rows, so its row statistics ``r`` are complete locally, while the column sums of ``g^2`` and
   ``sum(r')`` (for ``rbar``) are sums over every rank's rows. gefen-core computes each rank's
   part (:meth:`gefen_core.Gefen._factored_statistics`, mutating nothing); this class sums them
@@ -279,7 +281,8 @@ class ShardedGefen(Gefen):
 
     # ------------------------------------------------------------------ Gefen hooks
     def _reduce_histogram(self, counts: Tensor) -> Tensor:
-        """Sum the int64 ``[4096]`` histogram over ranks (exact: integer addition)."""
+        """Sum the int64 ``[4097]`` histogram (the bins and the zero bin) over ranks (exact:
+        integer addition), so every rank learns the same codebook, zero codeword included."""
         if self._world() == 1 or not self._has_dtensors():
             return counts
         buf = counts.to(device=collective_device(self._dist_group), dtype=torch.int64)

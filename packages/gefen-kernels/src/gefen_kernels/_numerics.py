@@ -57,10 +57,12 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "FLT_MIN",
     "HISTOGRAM_BINS",
+    "HISTOGRAM_SIZE",
     "NUM_CODEWORDS",
     "SR_MUL0",
     "SR_MUL1",
     "SR_MUL2",
+    "ZERO_BIN",
     "f32",
     "momentum_ema",
     "to_signed64",
@@ -68,6 +70,10 @@ __all__ = [
 
 NUM_CODEWORDS = 256
 HISTOGRAM_BINS = 4096
+# The histogram's exact-zero bin (docs/algorithm.md#histogram): index 4096 of the
+# HISTOGRAM_SIZE counts, for elements whose normalised value is exactly 0.
+ZERO_BIN = HISTOGRAM_BINS
+HISTOGRAM_SIZE = HISTOGRAM_BINS + 1
 FLT_MIN = 1.1754943508222875e-38  # smallest normal binary32, the factored-mean floor (§1.11)
 
 # Elements per chunk of the PyTorch references. Each element of a chunk costs at most ~56 bytes

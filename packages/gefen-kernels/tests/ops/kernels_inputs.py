@@ -10,10 +10,12 @@ import torch
 
 
 def make_codebook(seed: int = 0, *, duplicates: bool = False,
-                  direct: bool | None = None) -> torch.Tensor:
+                  direct: bool | None = None, zero: bool | None = None) -> torch.Tensor:
     """A sorted fp32 [256] codebook with c[0] = -1, c[255] = +1, dense near 0 like a learned one.
 
-    No codeword is exactly 0, as in a codebook learned from histogram bin centres. ``direct``
+    ``zero`` (default: ``seed % 4 < 2``): the codeword nearest 0 is exactly 0, as in a codebook
+    learned with the zero codeword (docs/algorithm.md#zero-codeword); otherwise no codeword is
+    0, as in one saved before it. ``direct``
     (default: even ``seed``): the inner codewords are histogram bin centres at least two bins
     apart, as a learned codebook's are, so nearest rounding takes the kernels' decision table;
     otherwise they are unsnapped and crowd into shared buckets near 0, so it takes the bracket
@@ -33,8 +35,25 @@ def make_codebook(seed: int = 0, *, duplicates: bool = False,
         inner = torch.from_numpy((bins + 0.5) / 2048 - 1.0)
     if duplicates:
         inner[100:110] = inner[100]
+    if zero if zero is not None else seed % 4 < 2:
+        inner[int(torch.argmin(inner.abs()))] = 0.0
     cb = torch.cat([torch.tensor([-1.0, 1.0], dtype=torch.float64), inner]).float()
     return torch.sort(cb).values.contiguous()
+
+
+def with_zero_gradients(grad: torch.Tensor, period: int, seed: int) -> torch.Tensor:
+    """``grad`` (in place, returned) with exact zeros, which the steps round toward zero
+    (docs/algorithm.md#toward-zero-rounding): about a quarter of the elements, a ``-0.0``, and
+    the second block whole where there are at least three blocks."""
+    flat = grad.view(-1)
+    gen = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(flat.numel(), generator=gen) < 0.25).to(flat.device)
+    flat.masked_fill_(mask, 0.0)
+    if flat.numel():
+        flat[flat.numel() // 2] = -0.0
+    if flat.numel() >= 3 * period:
+        flat[period:2 * period] = 0.0
+    return grad
 
 
 def ulp(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
@@ -91,7 +110,8 @@ def assert_within_one_ulp(a: torch.Tensor, b: torch.Tensor, what: str,
     which moves the second moment, hence sigma and the update u, by a few fp32 ulps. After
     rounding to the parameter dtype that is at most one ulp of the dtype at the larger of the
     old and new values (|u| <= |p_old| + |p_new|); fp32 parameters see the few ulps of u
-    directly, so they get four.
+    directly, so they get four ulps of the largest of the old value, the new value and the
+    update (the update is the largest where the parameter crosses 0).
     """
     assert a.dtype == b.dtype, what
     an, bn = torch.isnan(a), torch.isnan(b)
@@ -99,7 +119,10 @@ def assert_within_one_ulp(a: torch.Tensor, b: torch.Tensor, what: str,
     a64, b64 = a[~an].double().cpu().numpy(), b[~bn].double().cpu().numpy()
     mag = np.maximum(np.abs(a64), np.abs(b64))
     if before is not None:
-        mag = np.maximum(mag, np.abs(before.reshape(a.shape)[~an].double().cpu().numpy()))
+        old64 = before.reshape(a.shape)[~an].double().cpu().numpy()
+        mag = np.maximum(mag, np.abs(old64))
+        if a.dtype == torch.float32:
+            mag = np.maximum(mag, np.abs(b64 - old64))
     tol = ulp(mag, a.dtype) * (4.0 if a.dtype == torch.float32 else 1.0)
     bad = np.abs(a64 - b64) > tol
     assert not bad.any(), f"{what}: {int(bad.sum())} elements beyond tolerance"

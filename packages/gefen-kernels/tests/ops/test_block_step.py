@@ -14,6 +14,7 @@ from kernels_inputs import (
     make_codebook,
     random_state,
     ulp,
+    with_zero_gradients,
 )
 from kernels_oracle import block_step64, boundary_distance, param_update64
 
@@ -67,7 +68,7 @@ def check_against_float64(param: torch.Tensor, grad: torch.Tensor, state: dict[s
                                atol=1e-30)
     q = state["codes"].long().numpy()
     margin = 1e-6 * (1.0 + expect["terms"] / np.where(s_new > 0, s_new, 1.0))
-    near = boundary_distance(expect["z"], cb64) <= margin
+    near = boundary_distance(expect["z"], cb64, expect["zero"]) <= margin
     assert np.array_equal(q[~near], expect["q"][~near])
     assert np.all(np.abs(q[near] - expect["q"][near]) <= 1)
     mhat = cb64[q] * s_new
@@ -93,6 +94,7 @@ def test_matches_float64(num_blocks: int, period: int, dtype: torch.dtype) -> No
     n = num_blocks * period
     param = torch.randn(n, generator=gen).to(dtype)
     grad = (torch.randn(n, generator=gen) * 0.05).to(dtype)
+    grad[::3] = 0.0  # zero gradients round toward zero
     state = random_state(num_blocks, period, seed=seed)
     check_against_float64(param, grad, state, make_codebook(seed))
 
@@ -376,6 +378,7 @@ def test_triton_matches_reference(num_blocks: int, period: int, dtype: torch.dty
     n = num_blocks * period
     param = torch.randn(n, generator=gen).to(dtype).to(dev)
     grad = (torch.randn(n, generator=gen) * 0.05).to(dtype).to(dev)
+    with_zero_gradients(grad, period, n)
     state = random_state(num_blocks, period, seed=period, device=dev)
     _run_pair(param, grad, state, make_codebook(period).to(dev))
 
@@ -394,7 +397,7 @@ def test_triton_every_route(route: str, period: int, num_blocks: int, split: int
     gen = torch.Generator().manual_seed(period)
     n = num_blocks * period
     param = torch.randn(n, generator=gen).to(dtype).to(dev)
-    grad = torch.randn(n, generator=gen).to(dev)
+    grad = with_zero_gradients(torch.randn(n, generator=gen).to(dev), period, n)
     state = random_state(num_blocks, period, seed=1, device=dev)
     cb = make_codebook(1).to(dev)
     kw = dict(route=route, split_elements=split or 16384, loop_tile=tile or 2048)
@@ -410,9 +413,9 @@ def test_triton_stochastic_hyper_maximize_lr0(period: int) -> None:
     gen = torch.Generator().manual_seed(period)
     n = num_blocks * period
     param = torch.randn(n, generator=gen).to(torch.bfloat16).to(dev)
-    grad = torch.randn(n, generator=gen).to(dev)
+    grad = with_zero_gradients(torch.randn(n, generator=gen).to(dev), period, n)
     state = random_state(num_blocks, period, seed=2, device=dev)
-    cb = make_codebook(2).to(dev)
+    cb = make_codebook(0).to(dev)
     hp = _hyper(5, 3e-3, 0.1)
     hyper = torch.tensor([hp["lr"], hp["bc2_rsqrt"], hp["bc1_recip"], hp["decay"]],
                          device=dev)

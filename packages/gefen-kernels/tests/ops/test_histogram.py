@@ -1,4 +1,4 @@
-"""histogram reference (§1.8.2): exact counts against a naive per-block loop."""
+"""The histogram (docs/algorithm.md#histogram): exact counts against a naive per-block loop."""
 
 from __future__ import annotations
 
@@ -27,19 +27,25 @@ def test_counts_match_naive_loop(numel: int, period: int, dtype: torch.dtype) ->
     gen = torch.Generator().manual_seed(numel + period)
     scales = torch.exp(torch.randn(numel // period, 1, generator=gen) * 2)
     g = (torch.randn(numel // period, period, generator=gen) * scales).reshape(-1).to(dtype)
+    if numel > 2 * period:
+        g[period:2 * period] = 0.0  # an all-zero block
+        g[::5] = 0.0  # and zero gradients elsewhere: the zero bin
     counts = histogram_reference(g, period)
-    assert counts.dtype == torch.int64 and counts.shape == (4096,)
+    assert counts.dtype == torch.int64 and counts.shape == (4097,)
     assert np.array_equal(counts.numpy(), histogram_naive(g.float().numpy(), period))
     assert int(counts.sum()) == numel
 
 
 def test_landmarks_and_zero_blocks() -> None:
-    g = torch.tensor([-2.0, 2.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    g = torch.tensor([-2.0, 2.0, 0.0, 1.0, 0.0, -0.0, 0.0, 0.0, 1e-30, 1e-20, 1.0, -1e-42])
     counts = histogram_reference(g, 4)
-    assert counts[0] == 1 and counts[4095] == 1  # -1 -> bin 0, +1 -> bin 4095
-    assert counts[2048] == 5  # zeros, including the all-zero block
+    assert counts[0] == 1 and counts[4095] == 2  # -1 -> bin 0, +1 -> bin 4095
+    # Exact zeros, -0 and the all-zero block go to the zero bin; tiny nonzero values of the
+    # last block (1e-30, 1e-20 and -1e-42 over 1.0, where z + 1 rounds to 1) to bin 2048.
+    assert counts[4096] == 5
+    assert counts[2048] == 3
     assert counts[3072] == 1  # 0.5 -> floor(1.5 * 2048)
-    assert int(counts.sum()) == 8
+    assert int(counts.sum()) == 12
 
 
 def test_non_finite_blocks_are_skipped() -> None:
@@ -60,7 +66,7 @@ def test_chunked_equals_whole(monkeypatch: pytest.MonkeyPatch, period: int, chun
 
 
 def test_empty_and_errors() -> None:
-    assert torch.equal(histogram_reference(torch.empty(0), 3), torch.zeros(4096, dtype=torch.long))
+    assert torch.equal(histogram_reference(torch.empty(0), 3), torch.zeros(4097, dtype=torch.long))
     with pytest.raises(ValueError, match="does not divide"):
         histogram_reference(torch.zeros(10), 3)
     with pytest.raises(ValueError, match="period"):
@@ -84,6 +90,7 @@ def test_triton_matches_reference(numel: int, period: int, dtype: torch.dtype) -
     gen = torch.Generator().manual_seed(numel)
     scales = torch.exp(torch.randn(numel // period, 1, generator=gen) * 2)
     g = (torch.randn(numel // period, period, generator=gen) * scales).reshape(-1).to(dtype)
+    g[::3] = 0.0  # the zero bin
     if numel > 3 * period:
         g[period + 1] = float("nan")
         g[2 * period] = float("inf")
@@ -145,7 +152,7 @@ def test_counts_with_and_without_deterministic_algorithms(deterministic: bool) -
     gen = torch.Generator().manual_seed(7)
     g = torch.randn(40, 64, generator=gen) * torch.exp(torch.randn(40, 1, generator=gen))
     g[3, 5] = float("nan")
-    g[7] = 0.0  # a zero block: all in bin 2048
+    g[7] = 0.0  # a zero block: all in the zero bin
     g = g.reshape(-1).to(_device())
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
@@ -154,19 +161,19 @@ def test_counts_with_and_without_deterministic_algorithms(deterministic: bool) -
     finally:
         torch.use_deterministic_algorithms(was)
     assert torch.equal(got, histogram_reference(g, 64))
-    assert int(got.sum()) == 39 * 64 and int(got[2048]) >= 64
+    assert int(got.sum()) == 39 * 64 and int(got[4096]) == 64
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp32_counts_stay_exact_at_the_chunk_size() -> None:
-    # Every element of a zero gradient lands in bin 2048: a full chunk (2**24) and a block
+    # Every element of a zero gradient lands in the zero bin: a full chunk (2**24) and a block
     # longer than the chunk (split in _count) put 2**24 counts into one fp32 bin, the largest
     # count fp32 still holds exactly; adding one more would round.
     mod = importlib.import_module("gefen_kernels.ops.histogram")
     for n, period in (((1 << 25) + 2048, 2048), (3 << 24, 3 << 24)):
         got = histogram_triton(torch.zeros(n, device="cuda", dtype=torch.bfloat16), period)
-        assert int(got[2048]) == n and int(got.sum()) == n, (n, period)
+        assert int(got[4096]) == n and int(got.sum()) == n, (n, period)
     assert mod._HIST_CHUNK <= 1 << 24
 
 

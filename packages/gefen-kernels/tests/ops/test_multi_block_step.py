@@ -10,6 +10,7 @@ from kernels_inputs import (
     clone_state,
     make_codebook,
     random_state,
+    with_zero_gradients,
 )
 
 from gefen_kernels.ops.block_step import block_step_reference, block_step_triton
@@ -35,7 +36,8 @@ def _device() -> str:
 def _inputs(dev: str, shapes=SHAPES):
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(b * p, generator=gen).to(dt).to(dev) for b, p, dt, _ in shapes]
-    grads = [torch.randn(b * p, generator=gen).to(gt).to(dev) for b, p, _, gt in shapes]
+    grads = [with_zero_gradients(torch.randn(b * p, generator=gen).to(gt).to(dev), p, b * p)
+             for b, p, _, gt in shapes]
     states = [random_state(b, p, seed=i, device=dev) for i, (b, p, _, _) in enumerate(shapes)]
     hyper = torch.tensor([[1e-3 * (i + 1), 1.5 + i, 2.0, 1 - 1e-4 * i]
                           for i in range(len(shapes))], device=dev)

@@ -18,7 +18,7 @@ import importlib
 
 import pytest
 import torch
-from kernels_inputs import assert_bitwise, make_codebook, random_state
+from kernels_inputs import assert_bitwise, make_codebook, random_state, with_zero_gradients
 
 from gefen_kernels import _numerics
 from gefen_kernels.ops import _muon_kernels
@@ -85,6 +85,7 @@ def test_triton_matches_reference(num_blocks: int, period: int, dtype: torch.dty
     gen = torch.Generator().manual_seed(num_blocks + period)
     n = num_blocks * period
     grad = (torch.randn(n, generator=gen) * 0.05).to(dtype).to(dev)
+    with_zero_gradients(grad, period, n)
     state = random_state(num_blocks, period, seed=period, device=dev)
     cb = make_codebook(period).to(dev)
     run_pair(grad, state, cb, nesterov=False)
@@ -108,9 +109,9 @@ def test_triton_every_route(route: str, period: int, num_blocks: int, split: int
     dev = _device()
     gen = torch.Generator().manual_seed(period)
     n = num_blocks * period
-    grad = torch.randn(n, generator=gen).to(dtype).to(dev)
+    grad = with_zero_gradients(torch.randn(n, generator=gen).to(dtype).to(dev), period, n)
     state = random_state(num_blocks, period, seed=1, device=dev)
-    cb = make_codebook(1).to(dev)
+    cb = make_codebook(0).to(dev)
     kw = dict(route=route, split_elements=split or 16384, loop_tile=tile or None)
     run_pair(grad, state, cb, nesterov=False, **kw)
     run_pair(grad, state, cb, stochastic_round=True, seed=2**62 + 5, maximize=True, **kw)
@@ -119,7 +120,7 @@ def test_triton_every_route(route: str, period: int, num_blocks: int, split: int
 def test_full_search_without_table_and_beta_zero() -> None:
     dev = _device()
     gen = torch.Generator().manual_seed(11)
-    grad = torch.randn(33 * 64, generator=gen).to(dev)
+    grad = with_zero_gradients(torch.randn(33 * 64, generator=gen).to(dev), 64, 11)
     state = random_state(33, 64, seed=11, device=dev)
     for cb in (make_codebook(11), make_codebook(12, duplicates=True)):
         cb = cb.to(dev)

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 from kernels_inputs import make_codebook
-from kernels_oracle import boundary_distance, nearest64, splitmix_uniform, stochastic64
+from kernels_oracle import (
+    boundary_distance,
+    nearest64,
+    splitmix_uniform,
+    stochastic64,
+    toward_zero64,
+)
 
 from gefen_kernels import _numerics
 from gefen_kernels.ops.quantize import (
@@ -196,6 +202,32 @@ def _special_values(x: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_toward_zero_rounding_matches_float64_and_never_grows(seed: int) -> None:
+    """docs/algorithm.md#toward-zero-rounding against an independent float64 oracle, on
+    codebooks with and without an exact 0 (make_codebook: seeds 0 and 1 hold one)."""
+    from gefen_kernels.ops._quant_ref import toward_zero_codes
+
+    cb = make_codebook(seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.cat([torch.randn(20_000, generator=gen) * 0.3, cb, torch.nextafter(cb, -cb - 1),
+                   torch.nextafter(cb, cb + 1), (cb[1:] + cb[:-1]) / 2,
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1.5, -1.5, float("nan")])])
+    q = toward_zero_codes(x, cb)
+    z = x.double().numpy()
+    assert np.array_equal(q.numpy(), toward_zero64(z, cb.double().numpy()))
+    c = cb[q]
+    inside = (x.abs() <= 1) & ~torch.isnan(x)
+    if bool((cb == 0).any()):
+        # Never larger in magnitude, never across 0: |m| shrinks as the gradient stays 0.
+        assert bool((c[inside].abs() <= x[inside].abs()).all())
+        assert bool((c[inside] * x[inside] >= 0).all())
+        # The largest such codeword: the next one up in magnitude exceeds |x|.
+        nxt = torch.where(x > 0, cb[(q + 1).clamp(max=255)], cb[(q - 1).clamp(min=0)])
+        grow = inside & (c != x) & (x != 0) & (nxt.abs() > c.abs())
+        assert bool((nxt[grow].abs() > x[grow].abs()).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("numel", [1, 4097, 65521])
 def test_triton_matches_reference(dtype: torch.dtype, numel: int) -> None:
@@ -302,6 +334,15 @@ def test_triton_table_and_full_search_agree(which: str) -> None:
         full = _launch_quantize(x, cb, 3, 0, stochastic, use_table=False)
         assert torch.equal(with_table, full)
     assert torch.equal(with_table, quantize_stochastic_reference(x, cb, 3, 0))
+    # Toward-zero rounding (zero-gradient elements) from the bracket, in both modes.
+    from gefen_kernels.ops._quant_ref import toward_zero_codes
+
+    want = toward_zero_codes(x.cpu(), cb.cpu())
+    for stochastic in (False, True):
+        for use_table in (True, False):
+            got = _launch_quantize(x, cb, 3, 0, stochastic, use_table=use_table,
+                                   toward_zero=True)
+            assert torch.equal(got.cpu().long(), want), (stochastic, use_table)
 
 
 def test_search_table_cache_follows_the_codebook() -> None:
@@ -321,14 +362,28 @@ def test_search_table_cache_follows_the_codebook() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _learned_zero_codebook() -> torch.Tensor:
+    """:func:`_learned_like_codebook` with the zero codeword: the centre nearest 0 replaced by
+    0, so bucket 2048 holds 0 and the centre of bin 2048 (docs/algorithm.md#zero-codeword)."""
+    cb = _learned_like_codebook().clone()
+    cb[int(torch.argmin(cb.abs()))] = 0.0
+    cb = torch.sort(cb).values
+    centre = torch.tensor(1 / 4096, dtype=torch.float32)
+    if not bool((cb == centre).any()):
+        cb[int(torch.searchsorted(cb, centre))] = centre
+    return torch.sort(cb).values
+
+
 def _decision_codebooks() -> dict[str, torch.Tensor]:
-    return {"learned": _learned_like_codebook(), "make_codebook": make_codebook(0),
+    return {"learned": _learned_like_codebook(), "learned_zero": _learned_zero_codebook(),
+            "make_codebook": make_codebook(0), "make_codebook_no_zero": make_codebook(2),
             "duplicates": make_codebook(2, duplicates=True),
             "uniform": torch.linspace(-1.0, 1.0, 256)}
 
 
 def _decode(table: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's lookup, written out in torch from the documented layout."""
+    """The kernel's lookup, written out in torch from the documented layout (one rounding's
+    head and pair words)."""
     b = torch.floor((x + 1.0) * 2048.0).nan_to_num(nan=0.0).clamp(0, 4095).long()
     head, pair = table[b], table[4096 + b]
 
@@ -364,16 +419,27 @@ def _hard_values(table: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_staged(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The kernel's staged lookup, written out in torch from the documented layout."""
+    """The staged lookup of one decision table followed by its own staged section."""
     b = torch.floor((x + 1.0) * 2048.0).nan_to_num(nan=0.0).clamp(0, 4095).long()
     q_lo = table[2 * 4096:2 * 4096 + 512].contiguous().view(torch.uint8).long()[b]
     thresholds = table[2 * 4096 + 512:].contiguous().view(torch.float32)
     return q_lo + (x > thresholds[q_lo]).long()
 
 
+def _decode_kernel_staged(table: torch.Tensor, x: torch.Tensor, toward_zero: bool) -> torch.Tensor:
+    """The kernels' staged lookup on their table (both roundings), from the documented layout:
+    the toward-zero rounding reads bucket 4096 + b and threshold 256 + q_lo."""
+    b = torch.floor((x + 1.0) * 2048.0).nan_to_num(nan=0.0).clamp(0, 4095).long()
+    codes = table[4 * 4096:4 * 4096 + 1024].contiguous().view(torch.uint8).long()
+    thresholds = table[4 * 4096 + 1024:].contiguous().view(torch.float32)
+    q_lo = codes[b + 4096 * toward_zero]
+    return q_lo + (x > thresholds[q_lo + 256 * toward_zero]).long()
+
+
 @pytest.mark.parametrize("which", list(_decision_codebooks()))
 def test_decision_table_matches_the_reference(which: str) -> None:
     from gefen_kernels.ops._decision_table import DIRECT_STEPS, STAGED_STEPS
+    from gefen_kernels.ops._quant_ref import toward_zero_codes
     from gefen_kernels.ops._search_table import kernel_table
     from gefen_kernels.ops.quantize import _launch_quantize
 
@@ -383,16 +449,19 @@ def test_decision_table_matches_the_reference(which: str) -> None:
     # A repeated codeword makes a jump skip a code: no staged section (the head words stay).
     staged = which != "duplicates"
     assert steps == (STAGED_STEPS if staged else DIRECT_STEPS)
-    assert table.shape == (2 * 4096 + 640 * staged,) and table.dtype == torch.int64
+    # Nearest then toward-zero decision tables, then both staged sections.
+    assert table.shape == (4 * 4096 + 1280 * staged,) and table.dtype == torch.int64
     x = _hard_values(table, cb.cpu())
-    want = quantize_nearest_reference(x, cb.cpu()).long()
-    q, codeword = _decode(table.cpu(), x)
-    assert torch.equal(q, want)
-    assert torch.equal(codeword.view(torch.int32), cb.cpu()[want].view(torch.int32))
-    if staged:
-        assert torch.equal(_decode_staged(table.cpu(), x), want)
-    got = _launch_quantize(x.to(dev), cb, 0, 0, False)
-    assert torch.equal(got.cpu().long(), want)
+    for toward_zero in (False, True):
+        want = (toward_zero_codes(x, cb.cpu()) if toward_zero
+                else quantize_nearest_reference(x, cb.cpu()).long())
+        q, codeword = _decode(table.cpu()[8192 * toward_zero:], x)
+        assert torch.equal(q, want), toward_zero
+        assert torch.equal(codeword.view(torch.int32), cb.cpu()[want].view(torch.int32))
+        if staged:
+            assert torch.equal(_decode_kernel_staged(table.cpu(), x, toward_zero), want)
+        got = _launch_quantize(x.to(dev), cb, 0, 0, False, toward_zero=toward_zero)
+        assert torch.equal(got.cpu().long(), want), toward_zero
     # Stochastic rounding still gets the bracket table.
     assert kernel_table(cb, stochastic=True)[1] >= 1
 
@@ -404,24 +473,27 @@ def test_staged_lookup_reads_only_its_section() -> None:
     from gefen_kernels._triton import gather_supported
     from gefen_kernels.ops import _search_table
     from gefen_kernels.ops._decision_table import STAGED_STEPS
+    from gefen_kernels.ops._quant_ref import toward_zero_codes
     from gefen_kernels.ops.quantize import _launch_quantize
 
     dev = _device()
-    cb = _learned_like_codebook().to(dev)
+    cb = _learned_zero_codebook().to(dev)
     table = _search_table.kernel_table(cb)[0].clone()
     x = _hard_values(table, cb.cpu())
     want = quantize_nearest_reference(x, cb.cpu()).long()
     garbage = torch.randint(-2**62, 2**62, (table.numel(),), generator=torch.Generator()
                             .manual_seed(3)).to(dev)
-    unread = slice(0, 2 * 4096) if gather_supported() else slice(2 * 4096, None)
+    unread = slice(0, 4 * 4096) if gather_supported() else slice(4 * 4096, None)
     table[unread] = garbage[unread]
     # The launcher takes its table from the cache: put the damaged one there.
     _search_table._NEAREST_CACHE[cb] = (cb._version, table, STAGED_STEPS)
     try:
         got = _launch_quantize(x.to(dev), cb, 0, 0, False)
+        got_toward = _launch_quantize(x.to(dev), cb, 0, 0, False, toward_zero=True)
     finally:
         del _search_table._NEAREST_CACHE[cb]
     assert torch.equal(got.cpu().long(), want)
+    assert torch.equal(got_toward.cpu().long(), toward_zero_codes(x, cb.cpu()))
 
 
 def test_staged_section_keeps_a_pair_and_refuses_a_jump_over_a_code() -> None:

@@ -291,7 +291,7 @@ def test_full_size_matches_core_solver(all_active: bool) -> None:
     core = pytest.importorskip("gefen_core.codebook")
     x, w = _full_histogram(11, all_active)
     assert x.size == 4096 if all_active else 256 <= x.size < 4096
-    want_c, want_cost = core.optimal_quantizer(x, w, 256)
+    want_c, want_cost = core.optimal_quantizer_endpoints(x, w, 256)
     codewords, cost = optimal_quantizer_dp_triton(quantizer_prefix(x, w).cuda(), 256)
     assert torch.equal(codewords.cpu(), want_c)
     assert float(cost) == want_cost

@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from kernels_inputs import assert_bitwise, count_launches, make_codebook, random_state
+from kernels_inputs import (
+    assert_bitwise,
+    count_launches,
+    make_codebook,
+    random_state,
+    with_zero_gradients,
+)
 
 from gefen_kernels._numerics import f32
 from gefen_kernels.ops import step_groups
@@ -56,7 +62,8 @@ def _tensors(dev: str, seed: int, cases: list[Any] = CASES) -> list[dict[str, An
             n *= s
         item: dict[str, Any] = {
             "param": torch.randn(shape, generator=gen).to(pdt).to(dev),
-            "grad": torch.randn(shape, generator=gen).to(gdt).to(dev),
+            "grad": with_zero_gradients(torch.randn(shape, generator=gen).to(gdt).to(dev),
+                                        period, seed + j),
         }
         st = random_state(n // period, period, seed=seed + j)
         item["codes"], item["scale"] = st["codes"].to(dev), st["scale"].to(dev)

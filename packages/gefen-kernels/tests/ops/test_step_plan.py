@@ -6,7 +6,13 @@ import importlib
 
 import pytest
 import torch
-from kernels_inputs import assert_bitwise, clone_state, make_codebook, random_state
+from kernels_inputs import (
+    assert_bitwise,
+    clone_state,
+    make_codebook,
+    random_state,
+    with_zero_gradients,
+)
 
 from gefen_kernels._numerics import f32
 from gefen_kernels.ops.block_step import block_step_triton
@@ -34,7 +40,7 @@ def test_block_plan_matches_block_step_triton(num_blocks, period, dtype, flags) 
     gen = torch.Generator().manual_seed(period)
     n = num_blocks * period
     param = torch.randn(n, generator=gen).to(dtype).to(dev)
-    grad = torch.randn(n, generator=gen).to(dtype).to(dev)
+    grad = with_zero_gradients(torch.randn(n, generator=gen).to(dtype).to(dev), period, n)
     st = {k: v.to(dev) for k, v in random_state(num_blocks, period, seed=period).items()}
     cb = make_codebook(period).to(dev)
     maximize = flags.get("maximize", False)
@@ -66,7 +72,7 @@ def test_factored_plan_matches_factored_step_triton(capturable: bool) -> None:
     gen = torch.Generator().manual_seed(4)
     rows, cols, period = 24, 40, 20
     param = torch.randn(rows, cols, generator=gen).to(torch.bfloat16).to(dev)
-    grad = torch.randn(rows, cols, generator=gen).to(dev)
+    grad = with_zero_gradients(torch.randn(rows, cols, generator=gen).to(dev), period, 4)
     grad[3] = 0.0  # a zero-gradient row: its statistics decay, its partial sums are 0
     st = {k: v.to(dev) for k, v in random_state(rows * cols // period, period, seed=4).items()}
     del st["exp_avg_sq"]

@@ -53,10 +53,13 @@ from .._numerics import HISTOGRAM_BINS
 
 DIRECT_STEPS = -1  # the kernels' STEPS value for "use the decision table"
 STAGED_STEPS = -2  # the decision table followed by its staged section
-# Where the staged section starts, in int64 words of the table: the 4096 lower codes as
-# bytes (512 words), then the 256 fp32 thresholds (128 words).
-STAGED_CODES = 2 * HISTOGRAM_BINS
-STAGED_THRESHOLDS = STAGED_CODES + HISTOGRAM_BINS // 8
+# The kernel table (kernel_table_layout): the nearest rounding's head and pair words, then the
+# toward-zero rounding's, then the staged sections. In int64 words: where the toward-zero
+# table starts, and where the staged part starts: the 4096 lower codes of each rounding as
+# bytes (2 x 512 words), then the 256 fp32 thresholds of each (2 x 128 words).
+TOWARD_ZERO = 2 * HISTOGRAM_BINS
+STAGED_CODES = 2 * TOWARD_ZERO
+STAGED_THRESHOLDS = STAGED_CODES + 2 * (HISTOGRAM_BINS // 8)
 # Keys either side of the codewords' midpoint searched first for a bucket's jump (the jump
 # of the fp32 nearest rule lies within a few ulps of it; a miss falls back to the bucket).
 _WINDOW = 4
@@ -127,36 +130,53 @@ def bucket_key_ranges() -> tuple[Tensor, Tensor]:
     return lo, hi
 
 
-def _code_above(codebook: Tensor, q_lo: Tensor, key: Tensor) -> Tensor:
-    from ._quant_ref import nearest_codes
+Rounding = Callable[[Tensor, Tensor], Tensor]
 
-    return nearest_codes(_from_key(key), codebook) > q_lo
+
+def _rounding(toward_zero: bool) -> Rounding:
+    # Imported here: _quant_ref imports the search table, which imports this module lazily.
+    from ._quant_ref import nearest_codes, toward_zero_codes
+
+    return toward_zero_codes if toward_zero else nearest_codes
+
+
+def _code_above(codebook: Tensor, q_lo: Tensor, toward_zero: bool, key: Tensor) -> Tensor:
+    return _rounding(toward_zero)(_from_key(key), codebook) > q_lo
 
 
 def build_decision_table(codebook: Tensor, *, device: torch.device | str | None = None,
-                         ) -> Tensor | None:
+                         toward_zero: bool = False) -> Tensor | None:
     """The int64 ``[2 * 4096]`` table of the module docstring (head words, then pair words) on
     ``device`` (default: ``codebook``'s), or
     ``None`` where some bucket holds two jumps (then the bracket search is used).
 
+    ``toward_zero``: the table of the toward-zero rounding
+    (:func:`gefen_kernels.ops._quant_ref.toward_zero_codes`, docs/algorithm.md#toward-zero-rounding)
+    instead of the nearest rounding. It is monotone too, and jumps at the codewords themselves
+    (and, for a codebook without an exact 0, at the nearest rounding's midpoint between the two
+    codewords around 0), so the same build and the same kernel lookup serve it.
+
     Built on the CPU from a copy of the codebook (one device-to-host copy of 1 KiB).
     """
-    # Imported here: _quant_ref imports the search table, which imports this module lazily.
-    from ._quant_ref import nearest_codes
-
+    rounding = _rounding(toward_zero)
     cb = codebook.detach().to("cpu", torch.float32).contiguous()
     lo, hi = bucket_key_ranges()
-    q_lo = nearest_codes(_from_key(lo), cb)
-    q_hi = nearest_codes(_from_key(hi), cb)
+    q_lo = rounding(_from_key(lo), cb)
+    q_hi = rounding(_from_key(hi), cb)
     jump = q_hi != q_lo
-    # First key of each bucket whose code is above q_lo (hi + 1 where none is). The jump is
-    # within a few ulps of the codewords' midpoint: search near it first.
-    mid = (cb[q_lo] + cb[q_hi]) * 0.5
-    guess = torch.where(jump, _to_key(mid), hi + 1)
+    # First key of each bucket whose code is above q_lo (hi + 1 where none is). The nearest
+    # rounding's jump is within a few ulps of the codewords' midpoint, the toward-zero
+    # rounding's at a codeword (c[q_hi] above 0, just past c[q_lo] below it): search near it
+    # first.
+    if toward_zero:
+        near = torch.where(cb[q_hi] > 0, cb[q_hi], cb[q_lo])
+    else:
+        near = (cb[q_lo] + cb[q_hi]) * 0.5
+    guess = torch.where(jump, _to_key(near), hi + 1)
     first_up = _first_key_near(
-        lo, hi + 1, guess, functools.partial(_above_or_past, cb, q_lo, hi),
-        lambda rows: functools.partial(_above_or_past, cb, q_lo[rows], hi[rows]))
-    if bool((jump & (nearest_codes(_from_key(torch.minimum(first_up, hi)), cb) != q_hi)).any()):
+        lo, hi + 1, guess, functools.partial(_above_or_past, cb, q_lo, hi, toward_zero),
+        lambda rows: functools.partial(_above_or_past, cb, q_lo[rows], hi[rows], toward_zero))
+    if bool((jump & (rounding(_from_key(torch.minimum(first_up, hi)), cb) != q_hi)).any()):
         return None
     threshold = torch.where(jump, _from_key(first_up - 1), torch.tensor(float("inf")))
     t_bits = threshold.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -166,9 +186,10 @@ def build_decision_table(codebook: Tensor, *, device: torch.device | str | None 
     return torch.cat([head, pair]).to(codebook.device if device is None else device)
 
 
-def _above_or_past(cb: Tensor, q_lo: Tensor, hi: Tensor, key: Tensor) -> Tensor:
+def _above_or_past(cb: Tensor, q_lo: Tensor, hi: Tensor, toward_zero: bool,
+                   key: Tensor) -> Tensor:
     past = key > hi
-    return past | _code_above(cb, q_lo, torch.minimum(key, hi))
+    return past | _code_above(cb, q_lo, toward_zero, torch.minimum(key, hi))
 
 
 def staged_section(table: Tensor) -> Tensor | None:
@@ -177,7 +198,7 @@ def staged_section(table: Tensor) -> Tensor | None:
 
     Words ``[0, 512)`` hold ``q_lo`` of every bucket as bytes (bucket ``b`` is byte ``b``,
     little-endian), words ``[512, 640)`` the fp32 threshold ``t[i]`` of every code ``i``: the
-    largest fp32 value whose nearest code is at most ``i`` where that value lies inside a
+    largest fp32 value whose code is at most ``i`` where that value lies inside a
     bucket (the bucket's own threshold), ``+inf`` otherwise. Because each bucket jumps at most
     once and only to the next code, ``q = q_lo[b] + (x > t[q_lo[b]])`` is the head word's rule
     for every ``x`` of bucket ``b``; the build checks it at every bucket's last value.
@@ -203,3 +224,31 @@ def staged_section(table: Tensor) -> Tensor | None:
         return None
     codes = q_lo.to(torch.uint8).view(torch.int64)
     return torch.cat([codes, thresholds.view(torch.int64)])
+
+
+def kernel_table_layout(codebook: Tensor) -> tuple[Tensor, int] | None:
+    """The kernels' table for nearest rounding with toward-zero rounding of zero-gradient
+    elements (docs/algorithm.md#toward-zero-rounding), on the CPU: ``(table, STEPS)``, or
+    ``None`` where either rounding has no decision table (then the bracket search serves both).
+
+    Layout (int64 words): the nearest rounding's decision table (``[0, 8192)``: head words,
+    pair words), the toward-zero rounding's (``[TOWARD_ZERO, TOWARD_ZERO + 8192)``), and, with
+    ``STEPS = STAGED_STEPS``, both staged sections, split so that one index offset selects the
+    rounding: the nearest then the toward-zero lower codes (``[STAGED_CODES, +1024)``, bucket
+    ``b`` of the toward-zero rounding is byte ``4096 + b``), then the nearest then the
+    toward-zero thresholds (``[STAGED_THRESHOLDS, +256)``, code ``i`` of the toward-zero
+    rounding is threshold ``256 + i``). A kernel adds ``4096`` to an element's bucket and
+    ``256`` to its threshold index (or ``TOWARD_ZERO`` to its head and pair word) where the
+    element's gradient is exactly 0: a compare and a select, the same loads. ``STEPS =
+    DIRECT_STEPS`` where either staged section does not exist.
+    """
+    near = build_decision_table(codebook, device="cpu")
+    toward = build_decision_table(codebook, device="cpu", toward_zero=True)
+    if near is None or toward is None:
+        return None
+    staged_near, staged_toward = staged_section(near), staged_section(toward)
+    if staged_near is None or staged_toward is None:
+        return torch.cat([near, toward]), DIRECT_STEPS
+    codes = HISTOGRAM_BINS // 8
+    return torch.cat([near, toward, staged_near[:codes], staged_toward[:codes],
+                      staged_near[codes:], staged_toward[codes:]]), STAGED_STEPS

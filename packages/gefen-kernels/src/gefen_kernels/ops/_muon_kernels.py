@@ -72,10 +72,11 @@ def _muon_write(q_ptr, u_ptr, cb_ptr, table_ptr, offs, mask, g, m, s_new, b, omb
     """
     positive = s_new > 0
     z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)
+    # A zero gradient rounds toward zero (docs/algorithm.md#toward-zero-rounding).
     if STOCHASTIC:
-        q, c_q = tl_quantize_stochastic(z, cb_ptr, table_ptr, STEPS, seed_u, offs)
+        q, c_q = tl_quantize_stochastic(z, cb_ptr, table_ptr, STEPS, seed_u, offs, g == 0.0)
     else:
-        q, c_q = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
+        q, c_q = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS, g == 0.0)
     tl.store(q_ptr + offs, q.to(tl.uint8), mask=mask)
     out_dtype = u_ptr.dtype.element_ty
     codeword = tl_round_to(c_q, out_dtype).to(tl.float32)

@@ -93,6 +93,57 @@ def nearest_codes(x: Tensor, codebook: Tensor) -> Tensor:
     return q.masked_fill_(torch.isnan(x), 0).long()
 
 
+def toward_zero_pick_left(x: Tensor, c_left: Tensor, c_right: Tensor,
+                          pick_left_nearest: Tensor) -> Tensor:
+    """Whether the toward-zero rounding of ``x`` takes ``L`` (else ``R``), from the bracket
+    ``c_left = c[L] <= x <= c[R] = c_right`` of §1.9 (docs/algorithm.md#toward-zero-rounding).
+
+    ``x > 0`` takes the largest codeword not above ``x`` (``L`` unless ``c[R] == x``), ``x <= 0``
+    the smallest one not below it (``R``): the codeword of largest magnitude not exceeding
+    ``|x|``, the zero codeword when ``|x|`` is below the smallest nonzero one. Where the bracket
+    straddles 0 (``c[L] < 0 < c[R]``: a codebook saved before the zero codeword existed), the
+    nearest rounding's choice ``pick_left_nearest`` is kept, so such a codebook rounds near 0
+    as it always did and never across 0. Above ``+1`` and below ``-1`` this gives the end
+    codewords, as nearest rounding does.
+    """
+    straddle = (c_left < 0) & (c_right > 0)
+    floor_left = (c_right > x) & (x > 0)
+    return torch.where(straddle, pick_left_nearest, floor_left)
+
+
+def toward_zero_codes(x: Tensor, codebook: Tensor) -> Tensor:
+    """Toward-zero rounding (int64 codes) of fp32 ``x``; NaN -> 0.
+
+    The rounding of momentum values whose gradient is exactly zero, in both rounding modes
+    (docs/algorithm.md#toward-zero-rounding): see :func:`toward_zero_pick_left`. With a
+    codebook that holds an exact 0, ``|c[q]| <= |x|`` on the same side of 0, so a coordinate
+    that keeps a zero gradient has its momentum shrink by at least ``beta1`` per step until it
+    is exactly 0.
+    """
+    if x.dim() != 1:
+        return toward_zero_codes(x.reshape(-1), codebook).view(x.shape)
+    _, right, left = _brackets(x, codebook)
+    c_left = codebook.index_select(0, left)
+    c_right = codebook.index_select(0, right)
+    nearest_left = torch.sub(x, c_left).abs_() <= torch.sub(x, c_right).abs_()
+    pick_left = toward_zero_pick_left(x, c_left, c_right, nearest_left)
+    q = torch.where(pick_left, left, right)
+    return q.masked_fill_(torch.isnan(x), 0).long()
+
+
+def round_codes(x: Tensor, codebook: Tensor, zero_grad: Tensor | None, *,
+                stochastic: bool, u: Tensor | None = None) -> Tensor:
+    """The §1.9 codes of fp32 ``x`` (1-D) for a step: nearest or stochastic rounding, and
+    toward-zero rounding where ``zero_grad`` (bool, same shape) marks an exactly-zero gradient
+    (docs/algorithm.md#toward-zero-rounding). Int64 codes."""
+    q = stochastic_codes(x, codebook, u) if stochastic else nearest_codes(x, codebook)
+    if zero_grad is not None:
+        where = torch.nonzero(zero_grad.reshape(-1)).flatten()
+        if where.numel():
+            q.index_copy_(0, where, toward_zero_codes(x.index_select(0, where), codebook))
+    return q
+
+
 def stochastic_codes(x: Tensor, codebook: Tensor, u: Tensor) -> Tensor:
     """Stochastic rounding (§1.9) of fp32 ``x`` with fp32 uniforms ``u``; NaN -> 0."""
     if x.dim() != 1:

@@ -94,25 +94,25 @@ def build_kernel_table(codebook: Tensor) -> tuple[Tensor, int]:
 
 def _build_nearest_table(codebook: Tensor) -> tuple[Tensor, int]:
     # Imported here: the decision table is built with _quant_ref, which imports this module.
-    from ._decision_table import DIRECT_STEPS, STAGED_STEPS, build_decision_table, staged_section
+    from ._decision_table import kernel_table_layout
 
-    table = build_decision_table(codebook, device="cpu")
-    if table is None:
+    built = kernel_table_layout(codebook)
+    if built is None:
         return build_kernel_table(codebook)
-    staged = staged_section(table)
-    if staged is None:
-        return table.to(codebook.device), DIRECT_STEPS
-    return torch.cat([table, staged]).to(codebook.device), STAGED_STEPS
+    table, steps = built
+    return table.to(codebook.device), steps
 
 
 def kernel_table(codebook: Tensor, *, stochastic: bool = False) -> tuple[Tensor, int]:
     """Cached kernel table for ``codebook``: ``(table, STEPS)``.
 
-    Nearest rounding (``stochastic=False``) gets the decision table of
-    :mod:`._decision_table` where the codebook allows one, with its staged section appended
-    (``STEPS = STAGED_STEPS``) where that exists too, else alone (``DIRECT_STEPS``); else the
-    packed search table; stochastic rounding needs the bracket and always gets the packed
-    search table. ``(codebook, 0)`` means "use the full search".
+    Nearest rounding (``stochastic=False``) gets the decision tables of
+    :mod:`._decision_table` (nearest, and toward-zero for zero-gradient elements:
+    :func:`._decision_table.kernel_table_layout`) where the codebook allows them, with their
+    staged sections (``STEPS = STAGED_STEPS``) where those exist too, else alone
+    (``DIRECT_STEPS``); else the packed search table. Stochastic rounding needs the bracket
+    and always gets the packed search table (the toward-zero rounding then comes from the
+    bracket too). ``(codebook, 0)`` means "use the full search".
     """
     if stochastic:
         return _cached(_KERNEL_CACHE, build_kernel_table, codebook)

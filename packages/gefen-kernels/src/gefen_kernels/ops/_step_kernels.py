@@ -250,28 +250,30 @@ def _row_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, blocks, bmask, col
 
 
 @jit
-def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma_block, p, big_v,  # type: ignore[no-untyped-def]
+def _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, zero, s_new, sigma_block, p, big_v,  # type: ignore[no-untyped-def]
            sigma_elem, lr, decay, seed_u, FACTORED: tl.constexpr, STOCHASTIC: tl.constexpr,
            STEPS: tl.constexpr):
     """Normalise, quantise, write codes and (lr != 0) the parameter update for ``offs``;
-    ``p``, ``big_v``, ``sigma_elem`` from :func:`_update_inputs`."""
-    codeword = _quantise(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, seed_u, STOCHASTIC,
-                         STEPS)
+    ``zero``: the gradient is exactly 0 (:func:`_quantise`); ``p``, ``big_v``, ``sigma_elem``
+    from :func:`_update_inputs`."""
+    codeword = _quantise(q_ptr, cb_ptr, table_ptr, offs, mask, m, zero, s_new, seed_u,
+                         STOCHASTIC, STEPS)
     _write_param(p_ptr, offs, mask, codeword, s_new, sigma_block, p, big_v, sigma_elem, lr,
                  decay, FACTORED)
 
 
 @jit
-def _quantise(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, seed_u,  # type: ignore[no-untyped-def]
+def _quantise(q_ptr, cb_ptr, table_ptr, offs, mask, m, zero, s_new, seed_u,  # type: ignore[no-untyped-def]
               STOCHASTIC: tl.constexpr, STEPS: tl.constexpr):
     """Normalise ``m`` by the block's new scale, quantise, write the codes of ``offs``; returns
-    the new codewords ``c[q']``."""
+    the new codewords ``c[q']``. Where ``zero`` (the element's gradient is exactly 0) the
+    rounding is toward zero (docs/algorithm.md#toward-zero-rounding)."""
     positive = s_new > 0
     z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)
     if STOCHASTIC:
-        q, codeword = tl_quantize_stochastic(z, cb_ptr, table_ptr, STEPS, seed_u, offs)
+        q, codeword = tl_quantize_stochastic(z, cb_ptr, table_ptr, STEPS, seed_u, offs, zero)
     else:
-        q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS)
+        q, codeword = tl_quantize_nearest(z, cb_ptr, table_ptr, STEPS, zero)
     tl.store(q_ptr + offs, q.to(tl.uint8), mask=mask)
     return codeword
 
@@ -334,13 +336,14 @@ def _tile_piece(p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blo
                 cols, s_old, period, ncols, ncols_magic, ncols_shift, b1, omb1, bc2, bc1, eps,
                 MAXIMIZE: tl.constexpr, OFFS64: tl.constexpr, IN_ROW: tl.constexpr,
                 FLAT_UPDATE: tl.constexpr):
-    """Factored mode, columns ``cols`` of ``blocks``: ``(offs, mask, m, p, V, sigma)`` of that
-    ``[BPP, len(cols)]`` piece (:func:`_momentum`, then :func:`_row_update_inputs` where
-    ``IN_ROW``, else :func:`_update_inputs`; with ``FLAT_UPDATE`` neither, and ``p``, ``V``
-    and ``sigma`` are ``m``, unused)."""
+    """Factored mode, columns ``cols`` of ``blocks``: ``(offs, mask, m, zero, p, V, sigma)`` of
+    that ``[BPP, len(cols)]`` piece (:func:`_momentum`, ``zero`` where the gradient is exactly
+    0, then :func:`_row_update_inputs` where ``IN_ROW``, else :func:`_update_inputs`; with
+    ``FLAT_UPDATE`` neither, and ``p``, ``V`` and ``sigma`` are ``m``, unused)."""
     mask = bmask[:, None] & (cols < period)[None, :]
     offs = blocks[:, None] * period + cols[None, :]
-    _, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
+    g, m = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, s_old[:, None], b1, omb1, MAXIMIZE)
+    zero = g == 0.0
     if FLAT_UPDATE:
         p, big_v, sigma = m, m, m
     elif IN_ROW:
@@ -351,7 +354,7 @@ def _tile_piece(p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blo
         p, big_v, sigma = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
                                          ncols, ncols_magic, ncols_shift, bc2, bc1, eps, True,
                                          OFFS64)
-    return offs, mask, m, p, big_v, sigma
+    return offs, mask, m, zero, p, big_v, sigma
 
 
 @jit
@@ -404,10 +407,10 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                                         bc2, bc1)
             tl.store(v_ptr + blocks, v_new, mask=bmask)
         if FLAT_UPDATE:
-            _quantise(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], seed_u,
-                      STOCHASTIC, STEPS)
+            _quantise(q_ptr, cb_ptr, table_ptr, offs, mask, m, g == 0.0, s_new[:, None],
+                      seed_u, STOCHASTIC, STEPS)
         else:
-            _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None],
+            _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, g == 0.0, s_new[:, None],
                    sigma[:, None], p, big_v, sigma_elem, lr, decay, seed_u, FACTORED,
                    STOCHASTIC, STEPS)
         tl.store(s_ptr + blocks, s_new, mask=bmask)
@@ -415,11 +418,11 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
         tl.static_assert(FACTORED, "a head and a tail piece in factored mode only (tile_shape)")
         bmask = blocks < num_blocks
         s_old = tl.load(s_ptr + blocks, mask=bmask, other=0.0)
-        offs, mask, m, p, big_v, sigma_elem = _tile_piece(
+        offs, mask, m, zero, p, big_v, sigma_elem = _tile_piece(
             p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask,
             _index(tl.arange(0, P2 // 2), OFFS64), s_old, period, ncols, ncols_magic,
             ncols_shift, b1, omb1, bc2, bc1, eps, MAXIMIZE, OFFS64, IN_ROW, FLAT_UPDATE)
-        offs_t, mask_t, m_t, p_t, big_v_t, sigma_t = _tile_piece(
+        offs_t, mask_t, m_t, zero_t, p_t, big_v_t, sigma_t = _tile_piece(
             p_ptr, g_ptr, q_ptr, row_ptr, col_ptr, inv_rbar_ptr, cb_ptr, blocks, bmask,
             _index(tl.arange(0, TAIL) + P2 // 2, OFFS64), s_old, period, ncols, ncols_magic,
             ncols_shift, b1, omb1, bc2, bc1, eps, MAXIMIZE, OFFS64, IN_ROW, FLAT_UPDATE)
@@ -430,17 +433,17 @@ def _tile_blocks(pid, p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
                              tl.max((mask_t & (m_t != m_t)).to(tl.int32), axis=1))
         s_new = tl.where(any_nan > 0, float("nan"), s_max)
         if FLAT_UPDATE:
-            _quantise(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None], seed_u,
+            _quantise(q_ptr, cb_ptr, table_ptr, offs, mask, m, zero, s_new[:, None], seed_u,
                       STOCHASTIC, STEPS)
-            _quantise(q_ptr, cb_ptr, table_ptr, offs_t, mask_t, m_t, s_new[:, None], seed_u,
-                      STOCHASTIC, STEPS)
+            _quantise(q_ptr, cb_ptr, table_ptr, offs_t, mask_t, m_t, zero_t, s_new[:, None],
+                      seed_u, STOCHASTIC, STEPS)
         else:
-            _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new[:, None],
+            _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, zero, s_new[:, None],
                    s_new[:, None], p, big_v, sigma_elem, lr, decay, seed_u, True, STOCHASTIC,
                    STEPS)
-            _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs_t, mask_t, m_t, s_new[:, None],
-                   s_new[:, None], p_t, big_v_t, sigma_t, lr, decay, seed_u, True, STOCHASTIC,
-                   STEPS)
+            _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs_t, mask_t, m_t, zero_t,
+                   s_new[:, None], s_new[:, None], p_t, big_v_t, sigma_t, lr, decay, seed_u,
+                   True, STOCHASTIC, STEPS)
         tl.store(s_ptr + blocks, s_new, mask=bmask)
 
 
@@ -506,8 +509,8 @@ def _step_loop_kernel(p_ptr, g_ptr, q_ptr, s_ptr, v_ptr, row_ptr, col_ptr, inv_r
         p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
                                               ncols, ncols_magic, ncols_shift, bc2, bc1,
                                               eps, FACTORED, OFFS64)
-        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma, p, big_v,
-               sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
+        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, g == 0.0, s_new, sigma, p,
+               big_v, sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
         start += TILE
 
 
@@ -570,8 +573,8 @@ def _step_apply_kernel(p_ptr, g_ptr, q_ptr, s_ptr, s_new_ptr, sigma_ptr, row_ptr
         p, big_v, sigma_elem = _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask,
                                               ncols, ncols_magic, ncols_shift, bc2, bc1,
                                               eps, FACTORED, OFFS64)
-        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, sigma, p, big_v,
-               sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
+        _apply(p_ptr, q_ptr, cb_ptr, table_ptr, offs, mask, m, g == 0.0, s_new, sigma, p,
+               big_v, sigma_elem, lr, decay, seed_u, FACTORED, STOCHASTIC, STEPS)
 
 
 def blocks_in_rows(factored: bool, period: int, ncols: int) -> bool:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .._numerics import f32, momentum_ema
 from ._chunks import block_groups
-from ._quant_ref import nearest_codes, sr_uniform_int64, stochastic_codes
+from ._quant_ref import round_codes, sr_uniform_int64
 
 Scalar = float | Tensor
 
@@ -120,7 +120,7 @@ def run_step(
         # Pass 1: new block max (NaN-propagating) and, in block mode, sum of squares.
         amax: Tensor | None = None
         sumsq: Tensor | None = None
-        kept: Tensor | None = None
+        kept: tuple[Tensor, Tensor] | None = None
         for start, end in group.tiles:
             g, m = load(start, end, rows, s_old)
             tile_max = m.abs().amax(dim=1, keepdim=True)
@@ -129,7 +129,7 @@ def run_step(
                 tile_sum = (g * g).sum(dim=1, keepdim=True)
                 sumsq = tile_sum if sumsq is None else sumsq + tile_sum
             if single:
-                kept = m
+                kept = (g, m)
             del g, m
         assert amax is not None
         # The stored scale is fp32; the fp64 path uses the stored value so mhat = c[q] * s.
@@ -140,15 +140,16 @@ def run_step(
 
         # Pass 2: normalise, quantise, write codes and parameters.
         for start, end in group.tiles:
-            m = kept if kept is not None else load(start, end, rows, s_old)[1]
+            g, m = kept if kept is not None else load(start, end, rows, s_old)
             z = torch.where(positive, m / s_div, torch.zeros_like(m)).to(torch.float32)
             zf = z.view(-1)
+            uniform = None
             if stochastic_round:
                 index = torch.arange(start, end, device=param.device, dtype=torch.int64)
-                q = stochastic_codes(zf, codebook, sr_uniform_int64(seed, index))
-            else:
-                q = nearest_codes(zf, codebook)
-            del z, zf, m
+                uniform = sr_uniform_int64(seed, index)
+            # An exactly-zero gradient rounds toward zero (docs/algorithm.md#toward-zero-rounding).
+            q = round_codes(zf, codebook, g.view(-1) == 0, stochastic=stochastic_round, u=uniform)
+            del z, zf, m, g, uniform
             mhat = cb.index_select(0, q).view(s_new.shape[0], -1) * s_new
             flat_q[start:end].copy_(q.view(-1))
             del q

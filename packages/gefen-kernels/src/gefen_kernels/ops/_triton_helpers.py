@@ -15,6 +15,7 @@ from __future__ import annotations
 from .._triton import gather_supported, interpret_mode, jit, tl
 from ._decision_table import STAGED_CODES as _staged_codes
 from ._decision_table import STAGED_THRESHOLDS as _staged_thresholds
+from ._decision_table import TOWARD_ZERO as _toward_zero
 
 # Launch options every Gefen kernel uses (see the module docstring).
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
@@ -22,8 +23,11 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 PAIRS_OFFSET = tl.constexpr(4097) if tl is not None else 4097
 # First pair word of the decision table (_decision_table: 4096 head words, then the pairs).
 DECISION_PAIRS = tl.constexpr(4096) if tl is not None else 4096
-# The decision table's staged section (_decision_table.STAGED_*), in 32-bit words: the lower
-# codes as bytes, then the fp32 thresholds.
+# The toward-zero rounding's decision table (_decision_table.TOWARD_ZERO), in int64 words.
+TOWARD_ZERO = tl.constexpr(_toward_zero) if tl is not None else _toward_zero
+# The decision tables' staged sections (_decision_table.STAGED_*), in 32-bit words: the lower
+# codes as bytes, then the fp32 thresholds (each: the nearest rounding's, then the
+# toward-zero rounding's).
 STAGED_CODES32 = (tl.constexpr(2 * _staged_codes) if tl is not None else 2 * _staged_codes)
 STAGED_THRESHOLDS32 = (tl.constexpr(2 * _staged_thresholds) if tl is not None
                        else 2 * _staged_thresholds)
@@ -147,11 +151,29 @@ def tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
 
 
 @jit
-def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
+def _toward_zero_left(x, c_left, c_right):  # type: ignore[no-untyped-def]
+    """Whether the toward-zero rounding (docs/algorithm.md#toward-zero-rounding) of fp32 ``x``
+    takes ``L`` of its bracket ``(c[L], c[R])``: ``L`` (the largest codeword not above ``x``)
+    where ``0 < x < c[R]``, else ``R``; where the bracket straddles 0 (a codebook without an
+    exact 0) the nearest rounding's choice. The twin of
+    :func:`gefen_kernels.ops._quant_ref.toward_zero_pick_left`."""
+    straddle = (c_left < 0) & (c_right > 0)
+    nearest_left = tl.abs(x - c_left) <= tl.abs(x - c_right)
+    return tl.where(straddle, nearest_left, (c_right > x) & (x > 0))
+
+
+@jit
+def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr, zero):  # type: ignore[no-untyped-def]
     """Nearest codeword of fp32 ``x``: ``(index (int32), codeword (fp32))``; ties to the lower
     index; NaN -> 0. The codeword is ``c[index]``, bit for bit.
 
-    ``STEPS = -2`` where :data:`GATHER` holds: the staged section of the decision table
+    Where the boolean ``zero`` (``x``'s shape) holds, the element's gradient is exactly 0 and
+    ``x`` is rounded toward zero instead (docs/algorithm.md#toward-zero-rounding): with the
+    decision tables the same lookups read the toward-zero table (an index offset:
+    :func:`gefen_kernels.ops._decision_table.kernel_table_layout`), with the bracket search a
+    select between the two choices.
+
+    ``STEPS = -2`` where :data:`GATHER` holds: the staged sections of the decision tables
     (:func:`gefen_kernels.ops._decision_table.staged_section`), looked up in shared memory.
 
     ``STEPS < 0`` otherwise: ``table_ptr`` is the decision table of
@@ -169,19 +191,22 @@ def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
     ``STEPS >= 0``: the bracket search of :func:`tl_codeword_bracket`.
     """
     if STEPS == -2 and GATHER:
-        # The staged section: the lower code of x's bucket and that code's threshold, both
-        # gathered from shared-memory copies (5 KiB per program) instead of a random global
-        # load of the head word (_decision_table.staged_section).
+        # The staged sections: the lower code of x's bucket and that code's threshold, both
+        # gathered from shared-memory copies (10 KiB per program) instead of a random global
+        # load of the head word (_decision_table.staged_section). A zero-gradient element
+        # reads the toward-zero halves: bucket + 4096, threshold + 256.
         b = _bucket(x)
+        shift = (b & 3) * 8
+        zi = zero.to(tl.int32)
         words = tl.load(table_ptr.to(tl.pointer_type(tl.int32)) + STAGED_CODES32
-                        + tl.arange(0, 1024))
-        q_lo = (_gather(words, b >> 2) >> ((b & 3) * 8)) & 255
+                        + tl.arange(0, 2048))
+        q_lo = (_gather(words, (b >> 2) + zi * 1024) >> shift) & 255
         thresholds = tl.load(table_ptr.to(tl.pointer_type(tl.float32)) + STAGED_THRESHOLDS32
-                             + tl.arange(0, 256))
-        q = q_lo + (x > _gather(thresholds, q_lo)).to(tl.int32)
+                             + tl.arange(0, 512))
+        q = q_lo + (x > _gather(thresholds, q_lo + zi * 256)).to(tl.int32)
         cq = tl_codewords(cb_ptr, q)
     elif STEPS < 0:
-        b = _bucket(x)
+        b = _bucket(x) + tl.where(zero, TOWARD_ZERO, 0)
         head = tl.load(table_ptr + b)
         up = x > _low_float(head)
         codes = (head >> 32).to(tl.int32)
@@ -194,6 +219,7 @@ def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
     else:
         left, right, c_left, c_right = tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS)
         pick_left = tl.abs(x - c_left) <= tl.abs(x - c_right)
+        pick_left = tl.where(zero, _toward_zero_left(x, c_left, c_right), pick_left)
         q = tl.where(pick_left, left, right)
         cq = tl.where(pick_left, c_left, c_right)
         top = tl.load(cb_ptr + 255)
@@ -221,9 +247,10 @@ def tl_sr_uniform(seed_u64, index):
 
 
 @jit
-def tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS: tl.constexpr, seed_u64, index):  # type: ignore[no-untyped-def]
+def tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS: tl.constexpr, seed_u64, index, zero):  # type: ignore[no-untyped-def]
     """Stochastic rounding (§1.9) of fp32 ``x`` using ``U(seed, index)``: ``(index (int32),
-    codeword (fp32))``; NaN -> 0."""
+    codeword (fp32))``; NaN -> 0. Where ``zero`` holds (an exactly-zero gradient), toward-zero
+    rounding instead (docs/algorithm.md#toward-zero-rounding), from the same bracket."""
     left, right, c_left, c_right = tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS)
     width = c_right - c_left
     clamped = tl.minimum(tl.maximum(x, c_left), c_right)
@@ -234,6 +261,9 @@ def tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS: tl.constexpr, seed_u64, 
     up = u < p_up
     q = tl.where(up, right, left)
     cq = tl.where(up, c_right, c_left)
+    toward_left = _toward_zero_left(x, c_left, c_right)
+    q = tl.where(zero, tl.where(toward_left, left, right), q)
+    cq = tl.where(zero, tl.where(toward_left, c_left, c_right), cq)
     nan = x != x
     return tl.where(nan, 0, q), tl.where(nan, tl.load(cb_ptr), cq)
 

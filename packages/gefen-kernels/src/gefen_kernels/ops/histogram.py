@@ -1,9 +1,12 @@
-"""4096-bin histogram of block-normalised gradients (ALGORITHM.md §1.8.2, §3.3).
+"""Histogram of block-normalised gradients (docs/algorithm.md#histogram).
 
 The flattened gradient is viewed as ``[B, P]``; each block is divided by its max-abs
-``a_b`` (``z = 0`` when ``a_b == 0``) and ``z`` is binned by
-``clamp(floor((z + 1) * 2048), 0, 4095)`` in fp32: ``-1`` lands in bin 0, ``0`` in bin 2048,
-``+1`` in bin 4095. Counts are exact int64. Blocks whose max-abs is not finite (a NaN or Inf in
+``a_b`` (``z = 0`` when ``a_b == 0``). A ``z`` that is exactly 0 (a zero gradient, an all-zero
+block, or a quotient that underflows) is counted in the zero bin, index 4096
+(``gefen_kernels._numerics.ZERO_BIN``), whose point is exactly 0 (the zero codeword,
+docs/algorithm.md#zero-codeword); every other ``z`` is binned by
+``clamp(floor((z + 1) * 2048), 0, 4095)`` in fp32: ``-1`` lands in bin 0, ``+1`` in bin 4095.
+The result has 4097 exact int64 counts. Blocks whose max-abs is not finite (a NaN or Inf in
 the block) are skipped entirely (non-finite policy O9, :mod:`gefen_kernels._numerics`).
 """
 
@@ -15,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _validation as V
-from .._numerics import HISTOGRAM_BINS
+from .._numerics import HISTOGRAM_BINS, HISTOGRAM_SIZE, ZERO_BIN
 from .._triton import jit, program_elements, require_triton, tl, triton
 from ._chunks import block_groups
 from ._dispatch import check_device_for_triton, on_tensor_device, use_triton
@@ -41,30 +44,33 @@ def _check(grad: Tensor, period: int) -> int:
 
 
 def _bins(g: Tensor, amax: Tensor) -> Tensor:
-    """Bin indices (int64) of fp32 ``g`` rows normalised by their fp32 ``amax`` ``[n, 1]``."""
+    """Bin indices (int64) of fp32 ``g`` rows normalised by their fp32 ``amax`` ``[n, 1]``;
+    ``ZERO_BIN`` where the normalised value is exactly 0."""
     positive = amax > 0
     z = torch.where(positive, g / torch.where(positive, amax, torch.ones_like(amax)),
                     torch.zeros_like(g))
     idx = torch.floor((z + 1.0) * float(HISTOGRAM_BINS // 2))
-    return idx.clamp_(0, HISTOGRAM_BINS - 1).to(torch.int64)
+    idx = idx.clamp_(0, HISTOGRAM_BINS - 1).to(torch.int64)
+    return idx.masked_fill_(z == 0, ZERO_BIN)
 
 
 def histogram_reference(grad: Tensor, period: int) -> Tensor:
-    """Histogram of ``grad`` viewed as ``[N / period, period]``; int64 ``[4096]``.
+    """Histogram of ``grad`` viewed as ``[N / period, period]``; int64 ``[4097]``.
 
     Args:
         grad: contiguous float tensor (any float dtype; converted to fp32 chunk by chunk).
         period: block length ``P`` dividing ``grad.numel()``.
 
     Returns:
-        int64 ``[4096]`` on ``grad``'s device; the counts sum to ``N`` minus the elements of
-        blocks with a non-finite max-abs.
+        int64 ``[4097]`` on ``grad``'s device: bins 0-4095 and the zero bin (index 4096, module
+        docstring); the counts sum to ``N`` minus the elements of blocks with a non-finite
+        max-abs.
 
     Raises:
         TypeError, ValueError: non-float, non-contiguous ``grad`` or a bad ``period``.
     """
     num_blocks = _check(grad, period)
-    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=grad.device)
+    counts = torch.zeros(HISTOGRAM_SIZE, dtype=torch.int64, device=grad.device)
     flat = grad.view(-1)
     for group in block_groups(num_blocks, period):
         nb = group.stop - group.first
@@ -79,8 +85,8 @@ def histogram_reference(grad: Tensor, period: int) -> Tensor:
             g = flat[start:end].view(rows, -1).float()
             idx = _bins(g, amax)
             # Non-finite blocks go to an overflow bin that is dropped below.
-            idx = torch.where(finite, idx, HISTOGRAM_BINS)
-            counts += torch.bincount(idx.view(-1), minlength=HISTOGRAM_BINS + 1)[:HISTOGRAM_BINS]
+            idx = torch.where(finite, idx, HISTOGRAM_SIZE)
+            counts += torch.bincount(idx.view(-1), minlength=HISTOGRAM_SIZE + 1)[:HISTOGRAM_SIZE]
     return counts
 
 
@@ -92,13 +98,13 @@ def histogram_reference(grad: Tensor, period: int) -> Tensor:
 # element (a ballot per index bit, then every lane walks its 128 bins), which made the
 # histogram most of the first step's GPU time (H200, Llama-3.2-1B shapes: 172 ms).
 # torch.histc counts in shared memory with atomics. Its input is the bin index as an fp32
-# integer (-1 for a dropped element, outside its range), binned over [0, 4096) into 4096 bins,
-# so bin b holds exactly the elements of index b. Its counts are fp32, exact because a chunk
-# has at most 2**24 elements, and order-independent. Unlike torch.bincount it takes no host
-# sync: bincount reads its input's min and max to the host to size its output, twice per
-# chunk, 98 syncs on the Llama-3.2-1B shapes. CUDA flags histc as nondeterministic (it cannot
-# know its float counts are integers), so under torch.use_deterministic_algorithms the counts
-# come from bincount instead; the counts are the same.
+# integer (-1 for a dropped element, outside its range; 4096 for the zero bin), binned over
+# [0, 4097) into 4097 bins, so bin b holds exactly the elements of index b. Its counts are
+# fp32, exact because a chunk has at most 2**24 elements, and order-independent. Unlike
+# torch.bincount it takes no host sync: bincount reads its input's min and max to the host to
+# size its output, twice per chunk, 98 syncs on the Llama-3.2-1B shapes. CUDA flags histc as
+# nondeterministic (it cannot know its float counts are integers), so under
+# torch.use_deterministic_algorithms the counts come from bincount instead; the same counts.
 
 _HIST_TILE = 2048  # elements per program (tile route) / per iteration (split route)
 _HIST_TILE_MAX_PERIOD = 4096
@@ -108,12 +114,14 @@ _HIST_CHUNK = 1 << 24  # bin indices per count (fp32: 64 MiB; fp32 counts exact 
 
 @jit
 def _bin_index(g, amax, valid, NUM_BINS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Bin of fp32 ``g`` normalised by ``amax`` (broadcastable), as an fp32 integer; ``-1``
-    (dropped) where not ``valid``."""
+    """Bin of fp32 ``g`` normalised by ``amax`` (broadcastable), as an fp32 integer; the zero
+    bin ``NUM_BINS`` where the normalised value is exactly 0; ``-1`` (dropped) where not
+    ``valid``."""
     positive = amax > 0
     z = tl.where(positive, tl.math.div_rn(g, tl.where(positive, amax, 1.0)), 0.0)
     idx = tl.floor((z + 1.0) * (NUM_BINS // 2))
     idx = tl.minimum(tl.maximum(idx, 0.0), NUM_BINS - 1.0)
+    idx = tl.where(z == 0.0, NUM_BINS * 1.0, idx)
     return tl.where(valid, idx, -1.0)
 
 
@@ -213,7 +221,7 @@ def _triton_counts(items: Sequence[tuple[Tensor, int]], device: torch.device, *,
     ``_HIST_CHUNK`` elements, and :func:`_count` counts each filled buffer, without a host
     sync.
     """
-    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device)
+    counts = torch.zeros(HISTOGRAM_SIZE, dtype=torch.int64, device=device)
     total = sum(g.numel() for g, _ in items)
     buf = torch.empty(min(total, _HIST_CHUNK), dtype=torch.float32, device=device)
     used = 0
@@ -242,15 +250,15 @@ def _triton_counts(items: Sequence[tuple[Tensor, int]], device: torch.device, *,
 
 
 def _count(bins: Tensor) -> Tensor:
-    """int64 ``[4096]`` counts of the fp32 bin indices ``bins`` (``-1`` dropped)."""
+    """int64 ``[4097]`` counts of the fp32 bin indices ``bins`` (``-1`` dropped)."""
     if bins.numel() > 1 << 24:
         # One block longer than the buffer: fp32 counts would stop being exact.
         return sum((_count(part) for part in bins.split(1 << 24)),
-                   torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=bins.device))
+                   torch.zeros(HISTOGRAM_SIZE, dtype=torch.int64, device=bins.device))
     if torch.are_deterministic_algorithms_enabled():
         shifted = bins.to(torch.int64) + 1  # -1 -> 0, dropped below
-        return torch.bincount(shifted, minlength=HISTOGRAM_BINS + 1)[1:]
-    return torch.histc(bins, bins=HISTOGRAM_BINS, min=0, max=HISTOGRAM_BINS).to(torch.int64)
+        return torch.bincount(shifted, minlength=HISTOGRAM_SIZE + 1)[1:]
+    return torch.histc(bins, bins=HISTOGRAM_SIZE, min=0, max=HISTOGRAM_SIZE).to(torch.int64)
 
 
 @on_tensor_device
@@ -270,7 +278,7 @@ def histogram_triton(grad: Tensor, period: int, *, _route: str | None = None,
     require_triton("the Triton histogram")
     check_device_for_triton(grad)
     if grad.numel() == 0:
-        return torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=grad.device)
+        return torch.zeros(HISTOGRAM_SIZE, dtype=torch.int64, device=grad.device)
     return _triton_counts([(grad, period)], grad.device, route=_route,
                           split_elements=_split_elements)
 
@@ -289,18 +297,19 @@ def _histogram_cuda(grad: Tensor, period: int) -> Tensor:
 
 @_histogram_op.register_fake
 def _histogram_fake(grad: Tensor, period: int) -> Tensor:
-    return torch.empty(HISTOGRAM_BINS, dtype=torch.int64, device=grad.device)
+    return torch.empty(HISTOGRAM_SIZE, dtype=torch.int64, device=grad.device)
 
 
 def histogram(grad: Tensor, period: int) -> Tensor:
-    """int64 ``[4096]`` histogram through ``torch.ops.gefen.histogram`` (see the reference)."""
+    """int64 ``[4097]`` histogram through ``torch.ops.gefen.histogram`` (see the reference)."""
     _check(grad, period)
     return torch.ops.gefen.histogram(grad, period)
 
 
 def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
                   reference: bool | Sequence[bool] = False) -> Tensor:
-    """Summed histogram of many gradients, each with its own period; int64 ``[4096]`` on the CPU.
+    """Summed histogram of many gradients, each with its own period; int64 ``[4097]`` on the CPU
+    (bins 0-4095, then the zero bin).
 
     The codebook pass of a whole model (ALGORITHM.md §1.8.1-§1.8.2): each gradient's counts are
     added into one int64 accumulator per device (exact, order-independent integer sums) and each
@@ -316,7 +325,7 @@ def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
             the dispatching :func:`histogram`; one bool for all or one per gradient.
 
     Returns:
-        int64 ``[4096]`` on the CPU: the sum of the per-tensor histograms.
+        int64 ``[4097]`` on the CPU: the sum of the per-tensor histograms.
 
     Raises:
         TypeError, ValueError: as :func:`histogram`, naming the offending position, before any
@@ -358,7 +367,7 @@ def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
             acc[device] += counts
         else:
             acc[device] = counts
-    total = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    total = torch.zeros(HISTOGRAM_SIZE, dtype=torch.int64)
     for counts in acc.values():
         total += counts.cpu()  # the one sync for this device
     return total

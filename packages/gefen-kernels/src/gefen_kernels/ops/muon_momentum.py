@@ -36,7 +36,7 @@ from .._numerics import f32, momentum_ema
 from ._chunks import block_groups
 from ._dispatch import on_tensor_device, use_triton
 from ._muon_kernels import launch_muon_momentum
-from ._quant_ref import nearest_codes, sr_uniform_int64, stochastic_codes
+from ._quant_ref import round_codes, sr_uniform_int64
 
 __all__ = ["muon_momentum", "muon_momentum_reference", "muon_momentum_triton"]
 
@@ -126,31 +126,34 @@ def muon_momentum_reference(
         rows = nb if single else 1
         s_old = scale[group.first:group.stop].to(cdt)
 
-        def ema(start: int, end: int, s_old: Tensor = s_old, rows: int = rows) -> Tensor:
+        def ema(start: int, end: int, s_old: Tensor = s_old,
+                rows: int = rows) -> tuple[Tensor, Tensor]:
             g = flat_g[start:end].view(rows, -1).to(cdt)
             if maximize:
                 g = g.neg()
-            return momentum_ema(b_t, omb_t, s_old, cb[flat_q[start:end].view(rows, -1).long()], g)
+            return g, momentum_ema(b_t, omb_t, s_old,
+                                   cb[flat_q[start:end].view(rows, -1).long()], g)
 
         amax: Tensor | None = None
-        kept: Tensor | None = None
+        kept: tuple[Tensor, Tensor] | None = None
         for start, end in group.tiles:
-            m = ema(start, end)
+            g, m = ema(start, end)
             tile_max = m.abs().amax(dim=1, keepdim=True)  # NaN-propagating, like the kernels
             amax = tile_max if amax is None else torch.maximum(amax, tile_max)
-            kept = m if single else None
+            kept = (g, m) if single else None
         assert amax is not None
         s_new = amax.to(torch.float32).to(cdt)
         positive = s_new > 0
         s_div = torch.where(positive, s_new, torch.ones_like(s_new))
         for start, end in group.tiles:
-            m = kept if kept is not None else ema(start, end)
+            g, m = kept if kept is not None else ema(start, end)
             z = torch.where(positive, m / s_div, torch.zeros_like(m)).to(torch.float32).view(-1)
+            uniform = None
             if stochastic_round:
                 index = torch.arange(start, end, device=grad.device, dtype=torch.int64)
-                q = stochastic_codes(z, codebook, sr_uniform_int64(seed_value, index))
-            else:
-                q = nearest_codes(z, codebook)
+                uniform = sr_uniform_int64(seed_value, index)
+            # An exactly-zero gradient rounds toward zero (docs/algorithm.md#toward-zero-rounding).
+            q = round_codes(z, codebook, g.view(-1) == 0, stochastic=stochastic_round, u=uniform)
             flat_q[start:end].copy_(q.view(-1))
             u = (cb_out[q].view(s_new.shape[0], -1) * s_new).to(gdt)
             if nesterov:
@@ -160,7 +163,7 @@ def muon_momentum_reference(
                 look = (u.to(cdt) * b_t).to(gdt).to(cdt)
                 u = ((omb_t * g) + look).to(gdt)
             flat_u[start:end].copy_(u.view(-1))
-            del m, z, q, u
+            del g, m, z, q, u
         scale[group.first:group.stop].copy_(s_new)
     return result
 

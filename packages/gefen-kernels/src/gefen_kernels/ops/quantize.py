@@ -102,26 +102,30 @@ _QUANT_BLOCK = 1024
 
 @jit(do_not_specialize=["seed", "offset"])
 def _quantize_kernel(x_ptr, cb_ptr, table_ptr, out_ptr, numel, seed, offset,  # type: ignore[no-untyped-def]
-                     STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+                     STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
+                     TOWARD_ZERO: tl.constexpr):
     """Codeword search over a flat tensor.
 
     x_ptr: ``[numel]`` contiguous, fp32/bf16/fp16 (converted to fp32); cb_ptr: fp32 ``[256]``;
     table_ptr: int64 ``[4353]`` packed search table (:func:`._search_table.kernel_table`;
     ``STEPS`` probes; 0: full search, table unused);
     out_ptr: uint8 ``[numel]``. seed, offset: int64 (two's complement of the 64-bit key).
-    STOCHASTIC: stochastic rounding with ``U(seed, offset + i)``, else nearest. BLOCK: elements
-    per program. Offsets are int64 (tensors may exceed 2**31 elements).
+    STOCHASTIC: stochastic rounding with ``U(seed, offset + i)``, else nearest. TOWARD_ZERO:
+    every element rounds as a zero-gradient element of a step does
+    (docs/algorithm.md#toward-zero-rounding; the tests' window on the step kernels' lookup).
+    BLOCK: elements per program. Offsets are int64 (tensors may exceed 2**31 elements).
     """
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < numel
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    zero = (offs >= 0) if TOWARD_ZERO else (offs < 0)
     if STOCHASTIC:
         seed_u = seed.to(tl.int64).to(tl.uint64, bitcast=True)
         q, _ = tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS, seed_u,
-                                   offs + offset.to(tl.int64))
+                                   offs + offset.to(tl.int64), zero)
     else:
-        q, _ = tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS)
+        q, _ = tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS, zero)
     tl.store(out_ptr + offs, q.to(tl.uint8), mask=mask)
 
 
@@ -132,7 +136,7 @@ def _triton_input(x: Tensor) -> Tensor:
 
 
 def _launch_quantize(x: Tensor, codebook: Tensor, seed: int, offset: int,
-                     stochastic: bool, use_table: bool = True) -> Tensor:
+                     stochastic: bool, use_table: bool = True, toward_zero: bool = False) -> Tensor:
     require_triton("quantize (Triton path)")
     check_device_for_triton(x)
     flat = _triton_input(x)
@@ -145,7 +149,7 @@ def _launch_quantize(x: Tensor, codebook: Tensor, seed: int, offset: int,
                         else (codebook, 0))
         _quantize_kernel[grid](flat, codebook, table, out.view(-1), n, to_signed64(seed),
                                to_signed64(offset), STOCHASTIC=stochastic, BLOCK=block,
-                               STEPS=steps,
+                               STEPS=steps, TOWARD_ZERO=toward_zero,
                                num_warps=4, **LAUNCH_OPTIONS)
     return out
 

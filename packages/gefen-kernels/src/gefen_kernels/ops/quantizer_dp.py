@@ -1,9 +1,13 @@
 """The exact optimal 1-D quantizer's dynamic program (ALGORITHM.md §1.8.3) on the GPU.
 
-Twin of ``gefen_core.codebook.optimal_quantizer`` for ``M >= K`` points (its ``_LayeredDP``):
+Twin of ``gefen_core.codebook.optimal_quantizer_endpoints`` for ``M >= K`` points (the
+problem with the two endpoints forced, as the codebook was before the zero codeword; its
+``_LayeredDP``):
 the same codewords, cost and tie choices, bit for bit, as the textbook recurrence. The numpy
 solver spends 70-110 ms of host time per call, bound by Python overhead over its 254 sequential
-layers; here each layer is one launch of many programs, and nothing is read back.
+layers; here each layer is one launch of many programs, and nothing is read back. The codebook
+itself, with the zero codeword forced (docs/algorithm.md#codebook-solver), is solved on the host
+by ``gefen_core.codebook.optimal_codebook``, which does not call this kernel.
 
 The recurrence (§1.8.3). Points ``1..M`` with fp64 prefix sums ``W, S1, S2`` (index 0 = 0,
 accumulated left to right on the host: :func:`quantizer_prefix`). Segment ``[i..j]`` has
@@ -211,7 +215,8 @@ def quantizer_prefix(points: Tensor | np.ndarray | Sequence[float],
     Args:
         points: 1-D, ``M`` strictly increasing values in ``[-1, 1]`` (converted to fp64).
         weights: 1-D, ``M`` finite weights ``> 0`` (converted to fp64). Neither is checked
-            beyond shape: ``gefen_core.codebook.optimal_quantizer`` validates its inputs.
+            beyond shape: ``gefen_core.codebook.optimal_quantizer_endpoints`` validates its
+            inputs.
 
     Raises:
         ValueError: ``points`` or ``weights`` not 1-D, or of different lengths.
@@ -244,7 +249,7 @@ def optimal_quantizer_dp_triton(prefix: Tensor, k: int, *,
     """Exact optimal ``k``-level quantizer with forced endpoints -1 and +1, on the device.
 
     ALGORITHM.md §1.8.3 for ``M >= k`` points: the codewords and cost of
-    ``gefen_core.codebook.optimal_quantizer`` (the textbook recurrence's, tie choices
+    ``gefen_core.codebook.optimal_quantizer_endpoints`` (the textbook recurrence's, tie choices
     included), computed on the device in ``k`` launches (module docstring). Asynchronous: no
     host sync; the scratch (about ``4 k (M - k)`` bytes of argmins plus ``O(M)``) is allocated
     per call on ``prefix``'s device.

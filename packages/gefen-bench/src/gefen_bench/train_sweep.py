@@ -1,0 +1,94 @@
+"""``gefen-bench train``'s learning-rate sweep: one LR grid shared by every optimizer.
+
+Quality is compared at each optimizer's own tuned LR, and also reported at equal LR: for a
+task, every optimizer is trained at every LR of one grid (multiples of
+the task's AdamW LR, the same absolute values for all), on fewer steps or epochs and seeds than
+the reported run, and scored on the validation split, which is disjoint from the held-out split
+the reported runs are scored on. Each optimizer's tuned LR is its best grid point; the same runs
+also give the equal-LR comparison at every grid point.
+
+The sweep of a task runs in one worker process (:func:`run_sweep_job`, job kind ``"sweep"``):
+nothing a sweep run reports depends on having a process of its own (its memory figure is not
+used), and one process per point would spend most of the sweep importing torch. An optimizer
+from a published package (``--target``) imports as ``gefen`` and gets a process of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+def run_sweep_job(job: dict[str, Any], emit: Emit) -> dict[str, Any]:
+    """Run ``job["inner"]`` (the job kind of the task, ``"lm"`` or ``"digits"``) once per
+    ``job["points"]`` entry (``{"optimizer", "lr"}``), each as its own training run from the
+    same initialisation and data. A point that raises is reported, not fatal.
+
+    Returns:
+        ``{"points": [{"optimizer", "lr", "score", "result" | "error"}, ...]}``, ``score`` the
+        validation loss (:func:`score`).
+    """
+    from .worker import _job_function
+
+    fn = _job_function(job["inner"])
+    out = []
+    for point in job["points"]:
+        sub = {k: v for k, v in job.items() if k not in ("points", "inner")}
+        sub.update(kind=job["inner"], optimizer=point["optimizer"], lr=float(point["lr"]),
+                   label=f"sweep {job['task']} · {point['optimizer']} · lr {point['lr']:.3g}")
+        try:
+            result = fn(sub, emit)
+            out.append({**point, "score": score(job["task"], result),
+                        "result": _summary(result)})
+        except Exception as exc:  # noqa: BLE001 - one diverging point must not stop the rest
+            out.append({**point, "score": math.inf, "error": f"{type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc()[-2000:]})
+    return {"points": out}
+
+
+def score(task: str, result: dict[str, Any]) -> float:
+    """Lower is better: the validation loss (LM), or its mean over the seeds (digits tasks);
+    ``inf`` for a run that diverged."""
+    value = result.get("final_eval_loss") if task == "lm" else result.get("final_eval_loss_mean")
+    return float(value) if value is not None and math.isfinite(value) else math.inf
+
+
+def _summary(result: dict[str, Any]) -> dict[str, Any]:
+    keys = ("final_eval_loss", "final_eval_loss_mean", "accuracy_mean", "steps", "diverged",
+            "eval_split")
+    return {k: result[k] for k in keys if k in result}
+
+
+def grid_lrs(adamw_lr: float, grid: tuple[float, ...]) -> list[float]:
+    """The absolute LRs of a task's shared grid (``grid`` multiplies AdamW's preset LR)."""
+    return [adamw_lr * g for g in grid]
+
+
+def choose(points: list[dict[str, Any]], name: str, fallback: float) -> dict[str, Any]:
+    """``name``'s tuned LR: its grid point of least validation loss (ties: the smaller LR);
+    ``fallback`` where every point diverged or failed."""
+    mine = sorted((p for p in points if p["optimizer"] == name), key=lambda p: p["lr"])
+    finite = [p for p in mine if math.isfinite(p["score"])]
+    if not finite:
+        return {"lr": fallback, "score": math.inf, "at_edge": False, "chosen": False}
+    best = min(finite, key=lambda p: p["score"])
+    return {"lr": best["lr"], "score": best["score"], "chosen": True,
+            # At the end of the grid the optimum may lie outside it.
+            "at_edge": best["lr"] in (mine[0]["lr"], mine[-1]["lr"]) and len(mine) > 1}
+
+
+def equal_lr(points: list[dict[str, Any]], name: str, ref: str = "adamw") -> list[dict[str, Any]]:
+    """At every grid LR both ran at: ``name``'s validation loss against ``ref``'s."""
+    by = {(p["optimizer"], p["lr"]): p["score"] for p in points}
+    rows = []
+    for (opt, lr), value in sorted(by.items(), key=lambda kv: kv[0][1]):
+        if opt != name or (ref, lr) not in by:
+            continue
+        other = by[(ref, lr)]
+        gap = value / other - 1 if math.isfinite(value) and math.isfinite(other) and other else None
+        rows.append({"lr": lr, "val_loss": value, "ref_val_loss": other, "vs_ref": gap})
+    return rows

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _amp, _params
+from . import _amp, _compiled_step, _muon_update, _params
 from .newton_schulz import (
     DEFAULT_NS_STEPS,
     STANDARD_COEFFICIENTS,
     fp8_ns_eligible,
     fp8_ns_supported,
     newton_schulz,
+    newton_schulz_opaque,
     plan_ns_batches,
     resolve_ns_schedule,
 )
@@ -69,6 +70,14 @@ def _is_dtensor(t: Tensor) -> bool:
     except ImportError:  # pragma: no cover - builds without torch.distributed
         return False
     return isinstance(t, DTensor)
+
+
+def _newton_schulz(x: Tensor, schedule: Sequence[Any], **options: Any) -> Tensor:
+    # A traced step keeps Newton-Schulz opaque, so it rounds as the eager step does
+    # (docs/algorithm.md#compiled-stepping).
+    if torch.compiler.is_compiling():
+        return newton_schulz_opaque(x, schedule, **options)
+    return newton_schulz(x, schedule, **options)
 
 
 def adjusted_lr_ratio(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -441,6 +450,13 @@ class GefenMuon(Gefen):
             RuntimeError: sparse, complex, shape- or device-mismatched gradients (before any
                 mutation); graph capture without ``capturable``.
         """
+        if torch.compiler.is_compiling():
+            # docs/algorithm.md#compiled-stepping
+            return _compiled_step.traced_muon_step(self, closure)
+        return self._eager_step(closure)
+
+    def _eager_step(self, closure: Callable[[], Any] | None) -> Any:
+        _compiled_step.sync_global_step(self)
         self._capture_guard()
         loss = None
         if closure is not None:
@@ -496,11 +512,15 @@ class GefenMuon(Gefen):
         per_group: dict[int, list[tuple[Tensor, Tensor, str]]] = {}
         for group, p, g, name in stepped:
             per_group.setdefault(id(group), []).append((p, g, name))
-        for group in self.param_groups:
+        compiling = torch.compiler.is_compiling()
+        # (Read through the helper: a traced step must see the groups' real flags.)
+        for group in _compiled_step.param_groups(self):
             items = per_group.get(id(group))
             if not items:
                 continue
-            lr = group["lr"] if group["capturable"] else self._host_lr(group["lr"])
+            # A traced step keeps a tensor lr a tensor: reading it would end the graph.
+            lr = (group["lr"] if group["capturable"] or compiling
+                  else self._host_lr(group["lr"]))
             serial = items
             if group["batched_ns"] and not group["capturable"]:
                 serial = self._step_batched(group, items, lr)
@@ -508,9 +528,13 @@ class GefenMuon(Gefen):
                 u = self._momentum(p, g, name, group)
                 o = self._orthogonalise(u, group)
                 self._finish(p, g, o, group, lr)
+        if compiling:
+            _compiled_step.advance_global_step(self)
+            return
         for t in self._device_global_step.values():
             t.add_(1)
         self._global_step += 1
+        _compiled_step.prepare(self)
 
     def _step_batched(self, group: dict[str, Any], items: list[tuple[Tensor, Tensor, str]],
                       lr: float | Tensor) -> list[tuple[Tensor, Tensor, str]]:
@@ -534,8 +558,8 @@ class GefenMuon(Gefen):
                 chunk = members[start:start + size]
                 start += size
                 stack = torch.stack([self._momentum(p, g, n, group) for p, g, n in chunk])
-                outs = newton_schulz(stack, group["ns_coefficients"], eps=group["eps"],
-                                     dtype=self._ns_dtype)
+                outs = _newton_schulz(stack, group["ns_coefficients"], eps=group["eps"],
+                                      dtype=self._ns_dtype)
                 for (p, g, _), o in zip(chunk, outs.unbind(0), strict=True):
                     self._finish(p, g, o, group, lr)
             if rest:
@@ -572,19 +596,24 @@ class GefenMuon(Gefen):
                     state[key] = state[key].to(dev)
         from gefen_kernels.ops.muon_momentum import muon_momentum, muon_momentum_reference
 
-        momentum_fn = (muon_momentum if _muon_momentum_path(p, group) == "fused"
+        compiling = torch.compiler.is_compiling()
+        # A traced step calls the op (opaque to the compiler, the reference's bits on the CPU)
+        # and seeds from the step-count tensors (docs/algorithm.md#compiled-stepping).
+        momentum_fn = (muon_momentum if _muon_momentum_path(p, group) == "fused" or compiling
                        else muon_momentum_reference)
         seed = 0
         seed_tensor = None
         if group["stochastic_round"]:
-            salt = name_salt(name)
-            if group["capturable"]:
+            if compiling:
+                seed_tensor = _compiled_step.seed_tensor(self, name, group, dev)
+            elif group["capturable"]:
                 from .optimizer import _SEED_MIX, _to_signed64
 
                 seed_tensor = torch.bitwise_xor(
-                    self._device_step(dev) * _to_signed64(_SEED_MIX), _to_signed64(salt)
-                ).reshape(1)
+                    self._device_step(dev) * _to_signed64(_SEED_MIX),
+                    _to_signed64(name_salt(name))).reshape(1)
             else:
+                salt = name_salt(name)
                 seed = mix_seed(self._global_step, salt)
         u = momentum_fn(
             g.contiguous(), state["exp_avg_codes"], state["exp_avg_scale"],
@@ -595,12 +624,25 @@ class GefenMuon(Gefen):
         return u.view(g.shape)
 
     def _orthogonalise(self, u: Tensor, group: dict[str, Any]) -> Tensor:
-        return newton_schulz(u, group["ns_coefficients"], eps=group["eps"], dtype=self._ns_dtype,
-                             fp8=group["fp8_ns"], fp8_compile=group["fp8_ns_compile"])
+        return _newton_schulz(u, group["ns_coefficients"], eps=group["eps"],
+                              dtype=self._ns_dtype, fp8=group["fp8_ns"],
+                              fp8_compile=group["fp8_ns_compile"])
 
     def _finish(self, p: Tensor, g: Tensor, o: Tensor, group: dict[str, Any],
                 lr: float | Tensor) -> None:
         """§4.3 steps 5–8: NorMuon, cautious masking, decoupled decay and the update."""
+        if torch.compiler.is_compiling():
+            # One opaque op, so the compiled step rounds as the eager one
+            # (docs/algorithm.md#compiled-stepping); a steady step has the NorMuon state.
+            state = self.state[p]
+            _muon_update.update_opaque(
+                p, g, o, [state["normuon_exp_avg_sq"], state["normuon_step"]]
+                if group["normuon"] else [], lr=lr, weight_decay=group["weight_decay"],
+                alpha=adjusted_lr_ratio(group["adjust_lr_fn"], p.shape),
+                normuon_beta2=float(group["normuon_beta2"]), normuon_eps=group["normuon_eps"],
+                use_cautious=group["cautious"], maximize=group["maximize"],
+                capturable=group["capturable"])
+            return
         self._apply_update(p, self._post_ns(p, g, o, group), group, lr)
 
     def _post_ns(self, p: Tensor, g: Tensor, o: Tensor, group: dict[str, Any]) -> Tensor:
@@ -608,12 +650,7 @@ class GefenMuon(Gefen):
         if group["normuon"]:
             o = self._normuon(p, o, group)
         if group["cautious"]:
-            grad = g.neg() if group["maximize"] else g
-            keep = (o.sign() * grad.sign()) > 0
-            acc = torch.float64 if o.dtype == torch.float64 else torch.float32
-            # The rescale factor in fp32 (a bf16 count would be inexact above 256), applied
-            # in O's dtype.
-            o = o.mul_(keep).mul_(o.numel() / keep.sum().clamp_min(1).to(acc))
+            o = _muon_update.cautious(o, g, maximize=group["maximize"])
         return o
 
     def _update_target(self, p: Tensor, o: Tensor) -> tuple[Tensor, Tensor]:
@@ -627,44 +664,19 @@ class GefenMuon(Gefen):
         shape, §4.6) on :meth:`_update_target`'s tensor."""
         alpha = adjusted_lr_ratio(group["adjust_lr_fn"], p.shape)
         p, o = self._update_target(p, o)
-        wd = group["weight_decay"]
-        if isinstance(lr, Tensor):
-            lr_t = lr.to(device=p.device)
-            if wd != 0:
-                p.mul_(1 - lr_t * wd)
-            p.sub_(o.to(p.dtype) * (lr_t * alpha).to(p.dtype))
-            return
-        if lr == 0:
-            return
-        if wd != 0:
-            p.mul_(1.0 - lr * wd)
-        p.add_(o, alpha=-(lr * alpha))
+        _muon_update.write_update(p, o, lr, group["weight_decay"], alpha)
 
     def _normuon(self, p: Tensor, o: Tensor, group: dict[str, Any]) -> Tensor:
         """§4.5 per-row normalisation; keeps ``‖O‖_F`` (so ``adjust_lr_fn`` still holds)."""
         state = self.state[p]
-        rows, cols = o.shape
-        acc = torch.float64 if o.dtype == torch.float64 else torch.float32
         if "normuon_exp_avg_sq" not in state:
             step_dev = o.device if group["capturable"] else torch.device("cpu")
-            state["normuon_exp_avg_sq"] = torch.zeros(rows, 1, dtype=torch.float32,
+            state["normuon_exp_avg_sq"] = torch.zeros(o.shape[0], 1, dtype=torch.float32,
                                                       device=o.device)
             state["normuon_step"] = torch.zeros((), dtype=torch.float32, device=step_dev)
-        beta = float(group["normuon_beta2"])
-        v = state["normuon_exp_avg_sq"]
-        rho = torch.linalg.vector_norm(o, dim=1, keepdim=True, dtype=acc)  # [R, 1]
-        rho_sq = rho.square()
-        v.mul_(beta).add_((rho_sq / cols).to(v.dtype), alpha=1.0 - beta)
-        state["normuon_step"].add_(1)
-        t = state["normuon_step"]
-        if group["capturable"]:
-            # On device, no host sync: scalar base, tensor exponent.
-            bc = 1.0 - torch.pow(beta, t.to(torch.float64))
-        else:
-            bc = 1.0 - beta ** float(t)
-        d = (v.to(acc) / bc).sqrt_().add_(group["normuon_eps"])
-        gamma = rho_sq.sum().sqrt() / (rho / d).square().sum().sqrt().clamp_min(_FLT_MIN)
-        return o.mul_((gamma / d).to(o.dtype))
+        return _muon_update.normuon(o, state["normuon_exp_avg_sq"], state["normuon_step"],
+                                    beta2=float(group["normuon_beta2"]),
+                                    eps=group["normuon_eps"], capturable=group["capturable"])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

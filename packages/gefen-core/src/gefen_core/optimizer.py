@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _amp, _dispatch, _docs, _params, _steady_step
+from . import _amp, _compiled_step, _dispatch, _docs, _params, _steady_step
 from .functional import gefen as _gefen_functional
 
 __all__ = ["Gefen"]
@@ -250,6 +250,12 @@ class Gefen(Optimizer):
         self._salt_tensors: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
         # The last full step's launches, repeated while nothing they depend on changes.
         self._steady: _steady_step.SteadyStep | None = None
+        # A step traced by torch.compile advanced the step-count mirrors, not _global_step;
+        # what such a step reads that it cannot create (docs/algorithm.md#compiled-stepping).
+        self._global_step_in_graph = False
+        self._compiled_salts: dict[str, int] | None = None
+        self._compiled_salts_key: tuple[int, ...] | None = None
+        self._static_marked_key: tuple[int, ...] | None = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group; validated completely before anything is registered.
@@ -685,6 +691,12 @@ class Gefen(Optimizer):
             RuntimeError: sparse, complex, shape- or device-mismatched gradients (before any
                 mutation); graph capture without ``capturable``; malformed scaler attributes.
         """
+        if torch.compiler.is_compiling():
+            return _compiled_step.traced_step(self, closure)  # docs/algorithm.md#compiled-stepping
+        return self._eager_step(closure)
+
+    def _eager_step(self, closure: Callable[[], Any] | None) -> Any:
+        _compiled_step.sync_global_step(self)
         self._capture_guard()
         loss = None
         if closure is not None:
@@ -768,6 +780,7 @@ class Gefen(Optimizer):
             t.add_(1)
         self._global_step += 1
         self._steady = _steady_step.build(self, inits, live, stepped, _split_by_device)
+        _compiled_step.prepare(self)
         return loss
 
     def _attach_factored_stats(

@@ -44,16 +44,16 @@ class _Net(torch.nn.Module):
         return self.fc3(torch.relu(self.fc2(torch.relu(self.norm(self.fc1(x))))))
 
 
-def _pair(seed: int = 0) -> tuple[_Net, _Net]:
+def _pair(seed: int = 0, device: str = "cpu") -> tuple[_Net, _Net]:
     torch.manual_seed(seed)
-    net = _Net()
+    net = _Net().to(device)
     return net, copy.deepcopy(net)
 
 
 def _set_grads(nets: tuple[_Net, _Net], step: int) -> None:
     g = torch.Generator().manual_seed(100 + step)
     for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
-        grad = torch.randn(a.shape, generator=g) * (0.5 + step)
+        grad = (torch.randn(a.shape, generator=g) * (0.5 + step)).to(a.device)
         a.grad, b.grad = grad.clone(), grad.clone()
 
 
@@ -96,15 +96,16 @@ def _steady(call: Callable[[], Any]) -> None:
         assert _trace_counts(call) == (0, 0, 0)
 
 
-def _gefen(net: _Net) -> Gefen:
+def _gefen(net: _Net, **options: Any) -> Gefen:
     # Every mode in one optimizer: factored 2-D and block 1-D parameters with nearest rounding,
-    # and a group in block mode for its 2-D matrix with stochastic rounding, a tensor lr,
-    # weight decay and maximize.
+    # and a group in block mode for its 2-D matrix with stochastic rounding, a tensor lr (on
+    # the device a capturable group reads it on), weight decay and maximize.
+    lr_device = net.fc3.weight.device if options.get("capturable") else "cpu"
     return Gefen([
         {"params": [*net.fc1.parameters(), *net.norm.parameters(), *net.fc2.parameters()]},
         {"params": [net.fc3.weight], "factored_v_2d": False, "stochastic_round": True,
-         "lr": torch.tensor(3e-3), "weight_decay": 0.1, "maximize": True},
-    ], lr=1e-2)
+         "lr": torch.tensor(3e-3, device=lr_device), "weight_decay": 0.1, "maximize": True},
+    ], lr=1e-2, **options)
 
 
 def test_compiled_step_compiles_once_and_matches_eager() -> None:
@@ -208,3 +209,28 @@ def test_compiled_train_step_adds_no_break_of_its_own() -> None:
     assert _global_steps(sd) == [4]
     assert all(int(s["step"]) == 4 for s in sd["state"].values())
     assert all(torch.isfinite(p).all() for p in nets[0].parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("capturable", "mode"), [(False, "default"), (True, "default"),
+                                                  (True, "reduce-overhead")])
+def test_compiled_cuda_step_matches_eager(capturable: bool, mode: str) -> None:
+    """On CUDA the opaque op runs the eager fused path (Triton launch plans, grouped launches;
+    device scalars and seeds when capturable): the compiled steps give its bits, in default
+    mode and in CUDA graphs (reduce-overhead)."""
+    nets = _pair(4, "cuda")
+    opt, ref = _gefen(nets[0], capturable=capturable), _gefen(nets[1], capturable=capturable)
+    _set_grads(nets, 0)
+    opt.step()
+    ref.step()
+    step = torch.compile(opt.step, mode=mode)
+    for i in range(1, 6):
+        _set_grads(nets, i)
+        if i == 1:
+            assert _trace_counts(step)[:2] == (0, 1)
+        else:
+            _steady(step)
+        ref.step()
+        torch.cuda.synchronize()
+        _assert_same(opt, ref, nets)

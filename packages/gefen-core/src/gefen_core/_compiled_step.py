@@ -13,11 +13,11 @@ graph break:
   counters (the host-scalar paths read fp32 CPU counters; ``capturable`` groups read device
   counters), never in Python from values the compiler would have to guard on;
 * the optimizer's step count ``T`` (which seeds stochastic rounding, O7) lives in tensors:
-  the per-device mirrors of ``Gefen._device_global_step``, one of them on the CPU, which the
-  graph advances. The Python count ``Gefen._global_step`` would make the compiler specialise
-  on a value that changes every step, so the graph does not touch it; it is brought in line
-  from the mirrors (``_sync_global_step``) by the next eager step, ``state_dict()`` or
-  pickling.
+  the mirrors of ``Gefen._device_global_step`` (on the CPU for host-scalar groups, on the
+  device for ``capturable`` ones), which every step advances. The Python count
+  ``Gefen._global_step`` would make the compiler specialise on a value that changes every
+  step, so the graph does not touch it; the next eager step, ``state_dict()`` or pickling
+  read it back from the mirrors.
 
 Every other step runs eagerly, outside the graph (one graph break, behind
 ``torch.compiler.disable``): the first step (period search and codebook learning read the
@@ -40,7 +40,7 @@ from torch import Tensor
 
 from . import _dispatch, functional
 
-__all__ = ["functional_step", "param_groups", "seed_tensor", "sync_global_step",
+__all__ = ["counters_on_device", "functional_step", "seed_tensor", "sync_global_step",
            "traced_hybrid_step", "traced_muon_step", "traced_step"]
 
 _CPU = torch.device("cpu")
@@ -164,23 +164,25 @@ def _scaler_attached(opt: Any) -> bool:
             or getattr(opt, "grad_scale", None) is not None)
 
 
-def param_groups(opt: Any) -> list[dict[str, Any]]:
-    """``opt.param_groups`` as a traced step must read it: through ``vars()``.
+def counters_on_device(state: dict[str, Any]) -> bool:
+    """Whether a parameter steps in ``capturable`` mode in a traced step: its step counter
+    lives off the CPU, where a ``capturable`` group creates it.
 
-    On the attribute, dynamo's optimizer support shows every group as ``capturable=True`` to
-    the traced code (so that torch's own optimizers take their capturable math), and marks it
-    so; through ``vars()`` the traced code sees, and the compiler guards on, the real flags,
-    so the compiled step is the eager step of the group as configured."""
-    groups: list[dict[str, Any]] = vars(opt)["param_groups"]
-    return groups
+    The traced step reads the mode from the state's layout, not from ``group["capturable"]``:
+    dynamo's optimizer support shows every group as capturable to traced code (so that
+    torch's own optimizers take their capturable math). For CUDA parameters the layout is the
+    flag; for CPU parameters both modes keep CPU counters and the traced step takes the host
+    path (Gefen's two paths give the same bits there)."""
+    return bool(state["step"].device.type != "cpu")
 
 
-def _entries(opt: Any) -> list[tuple[dict[str, Any], Tensor, Tensor, str]] | None:
-    """``(group, param, grad, name)`` of every parameter with a gradient, or ``None`` when a
-    gradient would fail the eager step's checks (the eager step then raises its error) or a
-    parameter is a DTensor."""
+def _entries(opt: Any) -> list[tuple[int, dict[str, Any], Tensor, Tensor, str]] | None:
+    """``(group index, group, param, grad, name)`` of every parameter with a gradient, in
+    group order, or ``None`` when a gradient would fail the eager step's checks (the eager
+    step then raises its error) or a parameter is a DTensor. (Groups are told apart by their
+    index: older dynamo versions cannot trace ``is`` or ``id()`` on a dict.)"""
     out = []
-    for group in param_groups(opt):
+    for index, group in enumerate(opt.param_groups):
         for p, name in zip(group["params"], group["param_names"]):
             g = p.grad
             if g is None:
@@ -189,7 +191,7 @@ def _entries(opt: Any) -> list[tuple[dict[str, Any], Tensor, Tensor, str]] | Non
                     g.layout != torch.strided or g.is_sparse or g.is_complex()
                     or not g.is_floating_point() or g.shape != p.shape or g.device != p.device):
                 return None
-            out.append((group, p, g, name))
+            out.append((index, group, p, g, name))
     return out
 
 
@@ -198,10 +200,6 @@ def _salts(opt: Any) -> dict[str, int] | None:
     (:func:`prepare`): the hash cannot be traced."""
     salts: dict[str, int] | None = opt._compiled_salts
     return salts
-
-
-def _counter_device(group: dict[str, Any], device: torch.device) -> torch.device:
-    return device if group["capturable"] else _CPU
 
 
 def _steady_calls(opt: Any) -> list[dict[str, Any]] | None:
@@ -223,7 +221,7 @@ def _steady_calls(opt: Any) -> list[dict[str, Any]] | None:
         return None
     mirrors = opt._device_global_step
     calls: list[dict[str, Any]] = []
-    for group, p, g, name in entries:
+    for index, group, p, g, name in entries:
         if p.numel() == 0:
             continue
         state = opt.state.get(p)
@@ -241,7 +239,7 @@ def _steady_calls(opt: Any) -> list[dict[str, Any]] | None:
             return None  # paged state follows the gradient eagerly
         path = _dispatch.choose_path(p, group, deterministic=opt._deterministic,
                                      sharded_factored=True)
-        call = _call_for(calls, group, path, dev, counters)
+        call = _call_for(calls, index, group, path, dev, counters)
         call["params"].append(p)
         call["grads"].append(g)
         call["codes"].append(state["exp_avg_codes"])
@@ -261,14 +259,14 @@ def _steady_calls(opt: Any) -> list[dict[str, Any]] | None:
     return calls
 
 
-def _call_for(calls: list[dict[str, Any]], group: dict[str, Any], path: str,
+def _call_for(calls: list[dict[str, Any]], index: int, group: dict[str, Any], path: str,
               dev: torch.device, counters: torch.device) -> dict[str, Any]:
     for call in calls:
-        if (call["group"] is group and call["path"] == path and call["device"] == dev
+        if (call["index"] == index and call["path"] == path and call["device"] == dev
                 and call["counters"] == counters):
             return call
-    call = {"group": group, "path": path, "device": dev, "counters": counters, "params": [],
-            "grads": [], "codes": [], "scales": [], "sqs": [], "rows": [], "cols": [],
+    call = {"index": index, "group": group, "path": path, "device": dev, "counters": counters,
+            "params": [], "grads": [], "codes": [], "scales": [], "sqs": [], "rows": [], "cols": [],
             "factored": [], "steps": [], "sq_steps": [], "salts": []}
     calls.append(call)
     return call
@@ -318,26 +316,32 @@ def _step_seed_fake(step_count: Tensor, salt: int) -> Tensor:
     return step_count.new_empty((1,), dtype=torch.int64)
 
 
-def seed_tensor(opt: Any, name: str, group: dict[str, Any], device: torch.device) -> Tensor:
+def seed_tensor(opt: Any, name: str, state: dict[str, Any], device: torch.device) -> Tensor:
     """The stochastic-rounding seed ``(T * MIX) xor salt`` of one tensor in a traced step, as
     an int64 ``[1]`` tensor on ``device`` (the eager step's value, docs/algorithm.md#
     stochastic-rounding), from the step-count mirror. Mixed by an opaque op: the compiler's
     range analysis refuses the wrapping int64 product."""
-    count = opt._device_global_step[_counter_device(group, device)]
+    count = opt._device_global_step[state["step"].device]
     seed: Tensor = torch.ops.gefen.step_seed(count, opt._compiled_salts[name])
     return seed.to(device)
 
 
-def _muon_entries(opt: Any) -> list[tuple[dict[str, Any], Tensor, Tensor, str]] | None:
-    """The entries of a steady GefenMuon step, or ``None``: codebook learnt, every stepped
-    matrix initialised (its NorMuon state too), the mirrors in place, no GradScaler protocol,
-    every parameter a plain 2-D matrix with a valid gradient."""
+Grouped = list[tuple[dict[str, Any], list[tuple[Tensor, Tensor, str]]]]
+
+
+def _muon_groups(opt: Any) -> Grouped | None:
+    """Each group's ``(param, grad, name)`` items of a steady GefenMuon step, or ``None``:
+    codebook learnt, every stepped matrix initialised (its NorMuon state too), the mirrors and
+    salts in place, no GradScaler protocol, every parameter a plain 2-D matrix with a valid
+    gradient. (Empty matrices are skipped, as the eager step does.)"""
     if opt._codebook is None or opt._dense_momentum_for_testing or _scaler_attached(opt):
         return None
     entries = _entries(opt)
     if entries is None:
         return None
-    for group, p, g, name in entries:
+    salts = _salts(opt) or {}
+    grouped: Grouped = [(group, []) for group in opt.param_groups]
+    for index, group, p, g, name in entries:
         if p.ndim != 2:
             return None
         if g.numel() == 0:
@@ -347,11 +351,12 @@ def _muon_entries(opt: Any) -> list[tuple[dict[str, Any], Tensor, Tensor, str]] 
                 group["normuon"] and "normuon_exp_avg_sq" not in state):
             return None
         if (state["exp_avg_codes"].device != g.device
-                or _counter_device(group, g.device) not in opt._device_global_step):
+                or state["step"].device not in opt._device_global_step):
             return None
-        if group["stochastic_round"] and name not in (_salts(opt) or {}):
+        if group["stochastic_round"] and name not in salts:
             return None
-    return entries
+        grouped[index][1].append((p, g, name))
+    return grouped
 
 
 def traced_muon_step(opt: Any, closure: Callable[[], Any] | None) -> Any:
@@ -359,11 +364,11 @@ def traced_muon_step(opt: Any, closure: Callable[[], Any] | None) -> Any:
     the eager pipeline with its momentum, Newton–Schulz and update as opaque ops, seeded from
     the step-count mirrors; non-steady steps run eagerly (module docstring)."""
     loss = _run_closure(closure)
-    entries = _muon_entries(opt)
-    if entries is None:
+    grouped = _muon_groups(opt)
+    if grouped is None:
         _step_outside_graph(opt)
         return loss
-    opt._apply(entries)
+    opt._step_groups(grouped)
     return loss
 
 
@@ -375,30 +380,33 @@ def traced_hybrid_step(hybrid: Any, closure: Callable[[], Any] | None) -> Any:
 
     loss = _run_closure(closure)
     muon, backup = hybrid.muon, hybrid.backup
-    entries = None if muon is None else _muon_entries(muon)
-    if _scaler_attached(hybrid) or (muon is not None and entries is None) or (
+    grouped = None if muon is None else _muon_groups(muon)
+    if _scaler_attached(hybrid) or (muon is not None and grouped is None) or (
             isinstance(backup, Gefen) and _steady_calls(backup) is None):
         _step_outside_graph(hybrid)
         return loss
-    if muon is not None:
-        muon._apply(entries)
+    if muon is not None and grouped is not None:
+        muon._step_groups(grouped)
     if backup is not None:
         backup.step()
     return loss
 
 
 def advance_global_step(opt: Any) -> None:
-    """End of a traced step: ``T + 1`` in every mirror; the Python count follows later."""
+    """End of a traced step: ``T + 1`` in every mirror; the Python count follows later
+    (:func:`sync_global_step`)."""
     for t in opt._device_global_step.values():
         t.add_(1)
-    opt._global_step_in_graph = True
 
 
 def sync_global_step(opt: Any) -> None:
-    """Start of an eager step: take ``T`` from the mirrors if a traced step advanced them."""
-    if opt._global_step_in_graph:
-        opt._sync_global_step()
-        opt._global_step_in_graph = False
+    """Start of an eager step: the Python count ``T`` from the CPU mirror, which traced steps
+    advance and it does not (one read of a CPU tensor, no device synchronisation). Where all
+    groups are ``capturable`` there is no CPU mirror: the device mirrors are the count, as
+    after CUDA-graph replays, and ``state_dict()`` reads them (``_sync_global_step``)."""
+    cpu = opt._device_global_step.get(_CPU)
+    if cpu is not None:
+        opt._global_step = int(cpu.item())
 
 
 @torch.compiler.disable
@@ -424,9 +432,6 @@ def prepare(opt: Any) -> None:
     preceded by eager warm-up steps, which prepare)."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return
-    if opt._global_step_in_graph:
-        opt._sync_global_step()
-        opt._global_step_in_graph = False
     groups = opt.param_groups
     mirrors = opt._device_global_step
     for group in groups:

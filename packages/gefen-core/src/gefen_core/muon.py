@@ -512,17 +512,23 @@ class GefenMuon(Gefen):
         per_group: dict[int, list[tuple[Tensor, Tensor, str]]] = {}
         for group, p, g, name in stepped:
             per_group.setdefault(id(group), []).append((p, g, name))
+        self._step_groups([(group, per_group.get(id(group), [])) for group in self.param_groups])
+
+    def _step_groups(self, grouped: list[tuple[dict[str, Any], list[tuple[Tensor, Tensor, str]]]],
+                     ) -> None:
+        """§4.3 for each group's ``(param, grad, name)`` items, in order, then the step count.
+        A traced step (docs/algorithm.md#compiled-stepping) groups its entries itself."""
         compiling = torch.compiler.is_compiling()
-        # (Read through the helper: a traced step must see the groups' real flags.)
-        for group in _compiled_step.param_groups(self):
-            items = per_group.get(id(group))
+        for group, items in grouped:
             if not items:
                 continue
-            # A traced step keeps a tensor lr a tensor: reading it would end the graph.
-            lr = (group["lr"] if group["capturable"] or compiling
-                  else self._host_lr(group["lr"]))
+            # A traced step keeps a tensor lr a tensor (reading it would end the graph; the
+            # update op reads it) and takes its mode from the state's layout.
+            capturable = (_compiled_step.counters_on_device(self.state[items[0][0]])
+                          if compiling else group["capturable"])
+            lr = group["lr"] if capturable or compiling else self._host_lr(group["lr"])
             serial = items
-            if group["batched_ns"] and not group["capturable"]:
+            if group["batched_ns"] and not capturable:
                 serial = self._step_batched(group, items, lr)
             for p, g, name in serial:
                 u = self._momentum(p, g, name, group)
@@ -605,7 +611,7 @@ class GefenMuon(Gefen):
         seed_tensor = None
         if group["stochastic_round"]:
             if compiling:
-                seed_tensor = _compiled_step.seed_tensor(self, name, group, dev)
+                seed_tensor = _compiled_step.seed_tensor(self, name, state, dev)
             elif group["capturable"]:
                 from .optimizer import _SEED_MIX, _to_signed64
 
@@ -641,7 +647,7 @@ class GefenMuon(Gefen):
                 alpha=adjusted_lr_ratio(group["adjust_lr_fn"], p.shape),
                 normuon_beta2=float(group["normuon_beta2"]), normuon_eps=group["normuon_eps"],
                 use_cautious=group["cautious"], maximize=group["maximize"],
-                capturable=group["capturable"])
+                capturable=_compiled_step.counters_on_device(state))
             return
         self._apply_update(p, self._post_ns(p, g, o, group), group, lr)
 

@@ -250,9 +250,8 @@ class Gefen(Optimizer):
         self._salt_tensors: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
         # The last full step's launches, repeated while nothing they depend on changes.
         self._steady: _steady_step.SteadyStep | None = None
-        # A step traced by torch.compile advanced the step-count mirrors, not _global_step;
-        # what such a step reads that it cannot create (docs/algorithm.md#compiled-stepping).
-        self._global_step_in_graph = False
+        # What a step traced by torch.compile reads and cannot create
+        # (docs/algorithm.md#compiled-stepping).
         self._compiled_salts: dict[str, int] | None = None
         self._compiled_salts_key: tuple[int, ...] | None = None
         self._static_marked_key: tuple[int, ...] | None = None

@@ -24,9 +24,19 @@ Every other step runs eagerly, outside the graph (one graph break, behind
 gradients on the host), a step in which a parameter gets its first gradient, a codebook
 refresh schedule (``codebook_refresh_every > 0``: whether a refresh is due depends on ``T``),
 a step under the GradScaler protocol (its ``found_inf`` decides on the host), DTensor
-parameters and optimizers that reduce factored statistics across ranks. That eager step also
-creates the step-count mirrors the graph needs, so the next call compiles the steady step once
-and later calls replay it.
+parameters and optimizers that reduce factored statistics across ranks.
+
+Every eager step ends by preparing what a trace reads and cannot create (:func:`prepare`:
+the mirrors and the name salts), so after one eager step, taken before compiling or by the
+first compiled call, the next trace is the steady step. Dynamo keeps the frames above a graph
+break as it compiled them: when the first compiled call takes the eager step, the steady step
+is later traced in a frame of its own, one graph called from the caller's compiled frames;
+an eager first step before compiling lets the steady step join the caller's graph.
+
+Traced code never reads ``group["capturable"]`` (dynamo shows every group of an optimizer as
+capturable to it) nor tells groups apart by ``is``/``id()`` (older dynamo cannot trace them
+on dicts): the mode comes from the state's layout (:func:`counters_on_device`), the group
+from its index.
 """
 
 from __future__ import annotations
@@ -131,8 +141,7 @@ def functional_step(
             "Gefen: a CUDA graph is capturing the compiled step (torch.compile mode="
             "'reduce-overhead') but the param group has capturable=False, whose bias "
             "corrections and seeds are host values that a replay would repeat; build the "
-            "optimizer with capturable=True (or compile it before its first step, which sets "
-            "it for CUDA parameters)")
+            "optimizer with capturable=True")
     sqs, rows, cols = iter(exp_avg_sqs), iter(exp_avg_sq_rows), iter(exp_avg_sq_cols)
     sq_list = [None if f else next(sqs) for f in factored]
     row_list = [next(rows) if f else None for f in factored]

@@ -158,6 +158,40 @@ def test_compiled_step_after_an_eager_first_step_is_one_fullgraph() -> None:
         _assert_same(opt, ref, nets)
 
 
+def test_compiled_batched_newton_schulz_matches_eager() -> None:
+    # Nine same-shaped matrices take the batched Newton-Schulz (a stack of momenta, one
+    # opaque orthogonalisation, an update op each); the odd one the per-matrix op.
+    g = torch.Generator().manual_seed(11)
+    mine = [torch.nn.Parameter(torch.randn(8, 16, generator=g)) for _ in range(9)]
+    mine.append(torch.nn.Parameter(torch.randn(12, 8, generator=g)))
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in mine]
+    opt, ref = (GefenMuon(ps, lr=1e-2, batched_ns=True, normuon=True, stochastic_round=True)
+                for ps in (mine, theirs))
+
+    def set_grads(step: int) -> None:
+        gen = torch.Generator().manual_seed(step)
+        for a, b in zip(mine, theirs, strict=True):
+            grad = torch.randn(a.shape, generator=gen)
+            a.grad, b.grad = grad.clone(), grad.clone()
+
+    set_grads(0)
+    opt.step()
+    ref.step()
+    step = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+    for i in range(1, 4):
+        set_grads(i)
+        if i == 1:
+            assert _trace_counts(step)[:2] == (0, 1)
+        else:
+            _steady(step)
+        ref.step()
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.equal(a, b)
+            for key, value in ref.state[b].items():
+                assert torch.equal(opt.state[a][key], value) if isinstance(
+                    value, torch.Tensor) else opt.state[a][key] == value, key
+
+
 def test_compiled_hybrid_step_matches_eager_through_functionalization() -> None:
     # aot_eager runs the functionalized graph as it is (no in-place rewrite): the opaque ops
     # get copies of the tensors they mutate, which are copied back.

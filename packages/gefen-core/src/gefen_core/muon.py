@@ -530,6 +530,9 @@ class GefenMuon(Gefen):
             serial = items
             if group["batched_ns"] and not capturable:
                 serial = self._step_batched(group, items, lr)
+            if compiling:
+                self._traced_matrices_step(serial, group, lr)
+                continue
             for p, g, name in serial:
                 u = self._momentum(p, g, name, group)
                 o = self._orthogonalise(u, group)
@@ -571,6 +574,45 @@ class GefenMuon(Gefen):
             if rest:
                 serial.extend(members[len(members) - rest:])
         return serial
+
+    def _traced_matrices_step(self, items: list[tuple[Tensor, Tensor, str]],
+                              group: dict[str, Any], lr: float | Tensor) -> None:
+        """:meth:`_momentum`, :meth:`_orthogonalise` and :meth:`_finish` of a group's
+        initialised matrices, in order, as one opaque op per device (and momentum path), while
+        ``torch.compile`` traces the step (docs/algorithm.md#compiled-stepping)."""
+        calls: dict[tuple[torch.device, bool, bool], dict[str, list[Any]]] = {}
+        for p, g, name in items:
+            state = self.state[p]
+            key = (g.device, _muon_momentum_path(p, group) == "fused",
+                   _compiled_step.counters_on_device(state))
+            call = calls.get(key)
+            if call is None:
+                call = calls[key] = {k: [] for k in ("params", "grads", "codes", "scales",
+                                                     "steps", "sqs", "sq_steps", "seeds",
+                                                     "alphas")}
+            call["params"].append(p)
+            call["grads"].append(g)
+            call["codes"].append(state["exp_avg_codes"])
+            call["scales"].append(state["exp_avg_scale"])
+            call["steps"].append(state["step"])
+            if group["normuon"]:
+                call["sqs"].append(state["normuon_exp_avg_sq"])
+                call["sq_steps"].append(state["normuon_step"])
+            if group["stochastic_round"]:
+                call["seeds"].append(_compiled_step.seed_tensor(self, name, state, g.device))
+            call["alphas"].append(adjusted_lr_ratio(group["adjust_lr_fn"], p.shape))
+        for (device, fused, capturable), call in calls.items():
+            _muon_update.matrices_step_opaque(
+                call["params"], call["grads"], call["codes"], call["scales"], call["steps"],
+                call["sqs"], call["sq_steps"], call["seeds"], self._codebook_on(device), lr=lr,
+                alphas=call["alphas"], schedule=group["ns_coefficients"],
+                beta=float(group["momentum"]), nesterov=group["nesterov"],
+                maximize=group["maximize"], stochastic_round=group["stochastic_round"],
+                fused_momentum=fused, ns_eps=group["eps"], ns_dtype=self._ns_dtype,
+                fp8=group["fp8_ns"], fp8_compile=group["fp8_ns_compile"],
+                weight_decay=group["weight_decay"],
+                normuon_beta2=float(group["normuon_beta2"]), normuon_eps=group["normuon_eps"],
+                use_cautious=group["cautious"], capturable=capturable)
 
     def _momentum(self, p: Tensor, g: Tensor, name: str, group: dict[str, Any]) -> Tensor:
         """§4.3 steps 1–3: the quantized EMA, its age, and the (Nesterov) dense momentum."""

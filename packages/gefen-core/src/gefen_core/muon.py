@@ -42,7 +42,6 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 SHARDED_MODES = ("exact", "distributed", "approx")
 #: Per-parameter NorMuon state (§4.2), on top of Gefen's ``step``/``period``/codes/scale.
 NORMUON_STATE_KEYS = ("normuon_exp_avg_sq", "normuon_step")
-_FLT_MIN = 1.1754943508222875e-38
 _DEFAULT_WORKSPACE = 256 << 20
 # Batched Newton–Schulz eligibility (§4.4, Appendix A).
 _BATCH_MAX_MIN_DIM = 512

@@ -185,6 +185,25 @@ def test_step_cpu_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     assert report["copy_bandwidth"]["gb_per_s"] > 0
 
 
+@pytest.mark.slow
+def test_step_times_the_compiled_step_next_to_the_eager_one(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, [
+        "step", "--device", "cpu", "--scale", "tiny", "--models", "gpt2",
+        "--optimizers", "gefen,gefen-compiled", "--steps", "3", "--warmup", "1",
+        "--out", str(tmp_path)])
+    assert code == 0, err
+    report = json.loads((tmp_path / "step.json").read_text())
+    assert report["failed"] == {}
+    rows = {r["optimizer"]: r for r in report["rows"]}
+    eager, compiled = rows["gefen"], rows["gefen-compiled"]
+    assert eager["compiled"] is False and eager["compile_ms"] is None
+    assert compiled["compiled"] is True and compiled["compile_ms"] > 0
+    assert compiled["step_ms_median"] > 0
+    # The same optimizer: compiling changes no state.
+    assert compiled["state_bytes"] == eager["state_bytes"]
+
+
 def test_step_skips_graph_entries_off_cuda(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, [
         "step", "--device", "cpu", "--scale", "tiny", "--models", "gpt2",

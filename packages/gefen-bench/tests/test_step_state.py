@@ -5,7 +5,8 @@ read back from the code under test: torch.optim.Muon keeps one fp32 ``momentum_b
 matrix; torch.optim.AdamW (for-loop/foreach) keeps fp32 ``exp_avg``/``exp_avg_sq`` and a
 0-dim fp32 ``step`` per parameter; GefenMuon keeps uint8 codes (1 byte/element), one fp32
 scale per block of ``period`` elements, a 0-dim fp32 ``step`` and, with NorMuon, an fp32
-``[R, 1]`` row EMA and a 0-dim fp32 ``normuon_step``, plus one fp32 ``[256]`` codebook.
+``[R, 1]`` row EMA and a 0-dim fp32 ``normuon_step``, plus one fp32 ``[256]`` codebook and,
+once it has stepped, its step count as a 0-dim int64 CPU tensor (docs/compile.md).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def test_torch_muon_halves_match_their_definitions_and_sum_to_the_whole() -> Non
 
 
 def _gefen_muon_bytes(muon) -> int:  # type: ignore[no-untyped-def]
-    total = 256 * 4  # the codebook
+    total = 256 * 4 + 8  # the codebook, the step count
     for group in muon.param_groups:
         for p in group["params"]:
             st = muon.state[p]

@@ -114,6 +114,17 @@ def test_graph_entries_run_only_in_the_step_command_on_cuda() -> None:
     assert not set(graphs) & set(registry.TRAIN_DEFAULT)
 
 
+def test_compiled_entries_run_only_in_the_step_command() -> None:
+    compiled = {n for n, spec in registry.REGISTRY.items() if spec.compiled}
+    assert compiled == {"gefen-compiled", "gefen-blockv-compiled", "gefen-muon-hybrid-compiled",
+                        "adamw-foreach-compiled"}
+    for name in compiled:
+        assert not registry.get_spec(name).graph
+        assert "only gefen-bench step" in (registry.availability(name) or "")
+        assert registry.availability(name, device=torch.device("cpu")) is None
+    assert not compiled & set(registry.TRAIN_DEFAULT)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["adamw-fused-graph", "gefen-graph", "gefen-blockv-graph"])

@@ -94,6 +94,20 @@ def test_round_trip_is_bit_exact_and_continues_identically(tmp_path, mode, facto
         assert torch.equal(a, b), n
 
 
+def test_step_count_of_compiled_steps_is_saved() -> None:
+    # A compiled step advances the step-count tensors, not the Python count: the header must
+    # read them (docs/compile.md), as the native state_dict does.
+    model, opt, _ = _trained(1)
+    step = torch.compile(opt.step, backend="eager")
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        step()
+    torch._dynamo.reset()
+    assert GefenDCPState(model, opt).state_dict()["header"]["global_step"] == 3
+    assert opt.state_dict()["gefen_meta"]["global_step"] == 3
+
+
 def test_default_stager_cannot_copy_placeholders(tmp_path):
     model, opt, _ = _trained()
     state = GefenDCPState(model, opt)

@@ -61,6 +61,9 @@ class OptimizerSpec:
         graph: ``gefen-bench step`` captures the steady step in a CUDA graph and times its
             replays (the optimizer is built with ``capturable=True``); only that command on a
             CUDA device runs it (:func:`availability`).
+        compiled: ``gefen-bench step`` times the step through ``torch.compile`` (default mode)
+            after an eager first step, the recipe of docs/compile.md; only that command runs
+            it (:func:`availability`).
     """
 
     name: str
@@ -72,6 +75,7 @@ class OptimizerSpec:
     min_bytes_per_param: float = 14.0
     options: dict[str, object] = field(default_factory=dict)
     graph: bool = False
+    compiled: bool = False
 
 
 def split_for_muon(
@@ -221,6 +225,25 @@ REGISTRY: dict[str, OptimizerSpec] = {
                                                    **kw),
                       requires="a CUDA device", min_bytes_per_param=14.0,
                       options={"fused": True, "capturable": True}, graph=True),
+        # The same optimizers with the step compiled (torch.compile, default mode): the steady
+        # step is one graph of opaque Gefen ops (docs/compile.md), timed next to the eager rows.
+        OptimizerSpec("gefen-compiled", "gefen_core.Gefen, step compiled with torch.compile",
+                      GEFEN_LR_RATIO, _build_gefen, requires="gefen-core",
+                      min_bytes_per_param=8.0, compiled=True),
+        OptimizerSpec("gefen-blockv-compiled",
+                      "gefen_core.Gefen(factored_v_2d=False), step compiled with torch.compile",
+                      0.6, lambda n, **kw: _build_gefen(n, factored_v_2d=False, **kw),
+                      requires="gefen-core", min_bytes_per_param=8.0,
+                      options={"factored_v_2d": False}, compiled=True),
+        OptimizerSpec("gefen-muon-hybrid-compiled",
+                      "gefen_core.GefenMuonHybrid (Gefen backup), step compiled with "
+                      "torch.compile", 1.0, _build_hybrid,
+                      requires="gefen-core with GefenMuonHybrid", min_bytes_per_param=8.0,
+                      compiled=True),
+        OptimizerSpec("adamw-foreach-compiled",
+                      "torch.optim.AdamW(foreach=True), step compiled with torch.compile", 1.0,
+                      lambda n, **kw: _build_adamw(n, impl={"foreach": True}, **kw),
+                      min_bytes_per_param=14.0, options={"foreach": True}, compiled=True),
         OptimizerSpec("adafactor", "torch.optim.Adafactor (relative step size)", 3.0,
                       _build_adafactor, requires="torch>=2.5 (torch.optim.Adafactor)",
                       min_bytes_per_param=6.0),
@@ -315,10 +338,13 @@ def availability(name: str, targets: dict[str, str] | None = None,
     """``None`` when ``name`` can run here, else the reason it is skipped (one line).
 
     ``device``: where ``gefen-bench step`` runs; CUDA-graph entries (``graph=True``) run only
-    there, on a CUDA device (other commands pass no device and skip them).
+    there, on a CUDA device, and compiled-step entries (``compiled=True``) only there (other
+    commands pass no device and skip both).
     """
     spec = get_spec(name)
     targets = targets or {}
+    if spec.compiled and device is None:
+        return "a compiled-step entry: only gefen-bench step compiles and times it"
     if spec.graph:
         if device is None:
             return "a CUDA-graph entry: only gefen-bench step captures and replays it"

@@ -17,10 +17,14 @@ step eagerly, run the warm-up steps on a side stream, capture one step in a
 ``torch.cuda.CUDAGraph`` and time its replays: the step without any host launch cost, as a
 user who captures the optimizer step gets it. Their steady "peak extra"
 is about 0: what the captured step allocates lives in the graph's memory pool, counted in
-alloc-delta instead.
+alloc-delta instead. The ``*-compiled`` entries take the first step eagerly, then wrap the
+steps in ``torch.compile`` (default mode; the pre-warm compiles the tiny set the same way);
+compile ms is the first compiled call (dynamo, AOT and inductor for this model, plus one
+step), the warm-up and timed steps run the compiled steady step, next to the eager rows of
+the same optimizer in the same run (docs/compile.md).
 
 Columns: median step ms; host-issue ms (median); first-step ms; warm first-step ms (the
-second optimizer's first step, above); state B/param (distinct
+second optimizer's first step, above); compile ms (compiled entries, above); state B/param (distinct
 storages reachable from the optimizer, :mod:`.state_bytes`); alloc-delta B/param (growth of
 ``memory_allocated`` from before the optimizer was built to after all steps); peak extra MiB
 (``max_memory_allocated`` − ``memory_allocated`` before a step, after
@@ -59,7 +63,8 @@ from .report import console, mib, print_table, write_json
 from .state_bytes import state_bytes_per_param
 
 STEP_DEFAULT = ("gefen", "gefen-blockv", "adamw-fused", "adamw-foreach", "gefen-graph",
-                "gefen-blockv-graph", "adamw-fused-graph", "muon", "gefen-muon-hybrid",
+                "gefen-blockv-graph", "adamw-fused-graph", "gefen-compiled",
+                "gefen-blockv-compiled", "muon", "gefen-muon-hybrid",
                 "gefen-muon-hybrid-adamw", "gefenx-0.5", "gefenx-0.5-blockv", "gefen-1.2")
 _COPY_BYTES = {"cuda": 4 * 2**30, "cpu": 256 * 2**20}
 
@@ -209,8 +214,14 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
     synchronize(device)
     warm_first_s, _ = timer(step)
     spec = registry.get_spec(name)
+    compile_s = None
     if spec.graph:
         step = _captured(step, device, job["warmup"])
+    elif spec.compiled:
+        step = torch.compile(step)
+        compile_s, _ = timer(step)
+        for _ in range(job["warmup"]):
+            step()
     else:
         for _ in range(job["warmup"]):
             step()
@@ -246,6 +257,8 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
         "min_bytes_per_param": min_bpp,
         "timer": "cuda-events" if device.type == "cuda" else "host-wall",
         "cuda_graph": spec.graph,
+        "compiled": spec.compiled,
+        "compile_ms": None if compile_s is None else compile_s * 1e3,
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                         else "cpu"),
         "eff_gb_per_s": min_bpp * n / median / 1e9,
@@ -273,8 +286,10 @@ def run_step_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]) ->
     for _, p in warm:
         p.grad = torch.randn_like(p)
     for o in registry.build(name, warm, lr=1e-4, weight_decay=0.0, device=device):
-        for _ in range(3):
-            o.step()
+        o.step()
+        warm_step = torch.compile(o.step) if registry.get_spec(name).compiled else o.step
+        for _ in range(2):
+            warm_step()
     rows = []
     for model in job["models"]:
         rows.append(_bench_model(name, model, job, device, dtype))
@@ -425,11 +440,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    argv=getattr(args, "argv", None))
     wall = time.perf_counter() - start
     columns = ["optimizer", "model", "step ms median", "host-issue ms", "first-step ms",
-               "warm first-step ms", "state B/param", "alloc-delta B/param", "peak extra MiB",
-               "first-step peak MiB", "first-step transient MiB", "min B/param", "eff GB/s",
-               "% copy BW"]
+               "warm first-step ms", "compile ms", "state B/param", "alloc-delta B/param",
+               "peak extra MiB", "first-step peak MiB", "first-step transient MiB",
+               "min B/param", "eff GB/s", "% copy BW"]
     table = [[r["optimizer"], r["model"], r["step_ms_median"], r["host_issue_ms_median"],
-              r["first_step_ms"], r.get("first_step_warm_ms"), r["state_bytes_per_param"],
+              r["first_step_ms"], r.get("first_step_warm_ms"), r.get("compile_ms"),
+              r["state_bytes_per_param"],
               r["alloc_delta_bytes_per_param"],
               r["peak_extra_mib"], r["first_step_peak_extra_mib"],
               r.get("first_step_transient_mib"), r["min_bytes_per_param"],

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from . import _amp, _nonfinite
+from . import _amp, _compiled_step, _nonfinite
 from .muon import GefenMuon
 from .newton_schulz import DEFAULT_NS_STEPS
 from .optimizer import Gefen
@@ -458,6 +458,14 @@ class GefenMuonHybrid(Optimizer):
         Raises:
             ValueError, RuntimeError: as the children's checks, before any mutation.
         """
+        if torch.compiler.is_compiling():
+            # docs/algorithm.md#compiled-stepping
+            return _compiled_step.traced_hybrid_step(self, closure)
+        return self._eager_step(closure)
+
+    def _eager_step(self, closure: Callable[[], Any] | None) -> Any:
+        if self.muon is not None:
+            _compiled_step.sync_global_step(self.muon)  # the backup's own step syncs it
         loss = None
         if closure is not None:
             with torch.enable_grad():

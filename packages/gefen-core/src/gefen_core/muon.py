@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _amp, _params
+from . import _amp, _compiled_step, _muon_update, _params
 from .newton_schulz import (
     DEFAULT_NS_STEPS,
     STANDARD_COEFFICIENTS,
     fp8_ns_eligible,
     fp8_ns_supported,
     newton_schulz,
+    newton_schulz_opaque,
     plan_ns_batches,
     resolve_ns_schedule,
 )
@@ -41,7 +42,6 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 SHARDED_MODES = ("exact", "distributed", "approx")
 #: Per-parameter NorMuon state (§4.2), on top of Gefen's ``step``/``period``/codes/scale.
 NORMUON_STATE_KEYS = ("normuon_exp_avg_sq", "normuon_step")
-_FLT_MIN = 1.1754943508222875e-38
 _DEFAULT_WORKSPACE = 256 << 20
 # Batched Newton–Schulz eligibility (§4.4, Appendix A).
 _BATCH_MAX_MIN_DIM = 512
@@ -69,6 +69,14 @@ def _is_dtensor(t: Tensor) -> bool:
     except ImportError:  # pragma: no cover - builds without torch.distributed
         return False
     return isinstance(t, DTensor)
+
+
+def _newton_schulz(x: Tensor, schedule: Sequence[Any], **options: Any) -> Tensor:
+    # A traced step keeps Newton-Schulz opaque, so it rounds as the eager step does
+    # (docs/algorithm.md#compiled-stepping).
+    if torch.compiler.is_compiling():
+        return newton_schulz_opaque(x, schedule, **options)
+    return newton_schulz(x, schedule, **options)
 
 
 def adjusted_lr_ratio(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
@@ -469,6 +477,13 @@ class GefenMuon(Gefen):
             RuntimeError: sparse, complex, shape- or device-mismatched gradients (before any
                 mutation); graph capture without ``capturable``.
         """
+        if torch.compiler.is_compiling():
+            # docs/algorithm.md#compiled-stepping
+            return _compiled_step.traced_muon_step(self, closure)
+        return self._eager_step(closure)
+
+    def _eager_step(self, closure: Callable[[], Any] | None) -> Any:
+        _compiled_step.sync_global_step(self)
         self._capture_guard()
         loss = None
         if closure is not None:
@@ -528,21 +543,38 @@ class GefenMuon(Gefen):
         per_group: dict[int, list[tuple[Tensor, Tensor, str]]] = {}
         for group, p, g, name in stepped:
             per_group.setdefault(id(group), []).append((p, g, name))
-        for group in self.param_groups:
-            items = per_group.get(id(group))
+        self._step_groups([(group, per_group.get(id(group), [])) for group in self.param_groups])
+
+    def _step_groups(self, grouped: list[tuple[dict[str, Any], list[tuple[Tensor, Tensor, str]]]],
+                     ) -> None:
+        """§4.3 for each group's ``(param, grad, name)`` items, in order, then the step count.
+        A traced step (docs/algorithm.md#compiled-stepping) groups its entries itself."""
+        compiling = torch.compiler.is_compiling()
+        for group, items in grouped:
             if not items:
                 continue
-            lr = group["lr"] if group["capturable"] else self._host_lr(group["lr"])
+            # A traced step keeps a tensor lr a tensor (reading it would end the graph; the
+            # update op reads it) and takes its mode from the state's layout.
+            capturable = (_compiled_step.counters_on_device(self.state[items[0][0]])
+                          if compiling else group["capturable"])
+            lr = group["lr"] if capturable or compiling else self._host_lr(group["lr"])
             serial = items
-            if group["batched_ns"] and not group["capturable"]:
+            if group["batched_ns"] and not capturable:
                 serial = self._step_batched(group, items, lr)
+            if compiling:
+                self._traced_matrices_step(serial, group, lr)
+                continue
             for p, g, name in serial:
                 u = self._momentum(p, g, name, group)
                 o = self._orthogonalise(u, group)
                 self._finish(p, g, o, group, lr)
+        if compiling:
+            _compiled_step.advance_global_step(self)
+            return
         for t in self._device_global_step.values():
             t.add_(1)
         self._global_step += 1
+        _compiled_step.prepare(self)
 
     def _step_batched(self, group: dict[str, Any], items: list[tuple[Tensor, Tensor, str]],
                       lr: float | Tensor) -> list[tuple[Tensor, Tensor, str]]:
@@ -566,13 +598,52 @@ class GefenMuon(Gefen):
                 chunk = members[start:start + size]
                 start += size
                 stack = torch.stack([self._momentum(p, g, n, group) for p, g, n in chunk])
-                outs = newton_schulz(stack, group["ns_coefficients"], eps=group["eps"],
-                                     dtype=self._ns_dtype)
+                outs = _newton_schulz(stack, group["ns_coefficients"], eps=group["eps"],
+                                      dtype=self._ns_dtype)
                 for (p, g, _), o in zip(chunk, outs.unbind(0), strict=True):
                     self._finish(p, g, o, group, lr)
             if rest:
                 serial.extend(members[len(members) - rest:])
         return serial
+
+    def _traced_matrices_step(self, items: list[tuple[Tensor, Tensor, str]],
+                              group: dict[str, Any], lr: float | Tensor) -> None:
+        """:meth:`_momentum`, :meth:`_orthogonalise` and :meth:`_finish` of a group's
+        initialised matrices, in order, as one opaque op per device (and momentum path), while
+        ``torch.compile`` traces the step (docs/algorithm.md#compiled-stepping)."""
+        calls: dict[tuple[torch.device, bool, bool], dict[str, list[Any]]] = {}
+        for p, g, name in items:
+            state = self.state[p]
+            key = (g.device, _muon_momentum_path(p, group) == "fused",
+                   _compiled_step.counters_on_device(state))
+            call = calls.get(key)
+            if call is None:
+                call = calls[key] = {k: [] for k in ("params", "grads", "codes", "scales",
+                                                     "steps", "sqs", "sq_steps", "seeds",
+                                                     "alphas")}
+            call["params"].append(p)
+            call["grads"].append(g)
+            call["codes"].append(state["exp_avg_codes"])
+            call["scales"].append(state["exp_avg_scale"])
+            call["steps"].append(state["step"])
+            if group["normuon"]:
+                call["sqs"].append(state["normuon_exp_avg_sq"])
+                call["sq_steps"].append(state["normuon_step"])
+            if group["stochastic_round"]:
+                call["seeds"].append(_compiled_step.seed_tensor(self, name, state, g.device))
+            call["alphas"].append(adjusted_lr_ratio(group["adjust_lr_fn"], p.shape))
+        for (device, fused, capturable), call in calls.items():
+            _muon_update.matrices_step_opaque(
+                call["params"], call["grads"], call["codes"], call["scales"], call["steps"],
+                call["sqs"], call["sq_steps"], call["seeds"], self._codebook_on(device), lr=lr,
+                alphas=call["alphas"], schedule=group["ns_coefficients"],
+                beta=float(group["momentum"]), nesterov=group["nesterov"],
+                maximize=group["maximize"], stochastic_round=group["stochastic_round"],
+                fused_momentum=fused, ns_eps=group["eps"], ns_dtype=self._ns_dtype,
+                fp8=group["fp8_ns"], fp8_compile=group["fp8_ns_compile"],
+                weight_decay=group["weight_decay"],
+                normuon_beta2=float(group["normuon_beta2"]), normuon_eps=group["normuon_eps"],
+                use_cautious=group["cautious"], capturable=capturable)
 
     def _momentum(self, p: Tensor, g: Tensor, name: str, group: dict[str, Any]) -> Tensor:
         """§4.3 steps 1–3: the quantized EMA, its age, and the (Nesterov) dense momentum."""
@@ -604,19 +675,24 @@ class GefenMuon(Gefen):
                     state[key] = state[key].to(dev)
         from gefen_kernels.ops.muon_momentum import muon_momentum, muon_momentum_reference
 
-        momentum_fn = (muon_momentum if _muon_momentum_path(p, group) == "fused"
+        compiling = torch.compiler.is_compiling()
+        # A traced step calls the op (opaque to the compiler, the reference's bits on the CPU)
+        # and seeds from the step-count tensors (docs/algorithm.md#compiled-stepping).
+        momentum_fn = (muon_momentum if _muon_momentum_path(p, group) == "fused" or compiling
                        else muon_momentum_reference)
         seed = 0
         seed_tensor = None
         if group["stochastic_round"]:
-            salt = name_salt(name)
-            if group["capturable"]:
+            if compiling:
+                seed_tensor = _compiled_step.seed_tensor(self, name, state, dev)
+            elif group["capturable"]:
                 from .optimizer import _SEED_MIX, _to_signed64
 
                 seed_tensor = torch.bitwise_xor(
-                    self._device_step(dev) * _to_signed64(_SEED_MIX), _to_signed64(salt)
-                ).reshape(1)
+                    self._device_step(dev) * _to_signed64(_SEED_MIX),
+                    _to_signed64(name_salt(name))).reshape(1)
             else:
+                salt = name_salt(name)
                 seed = mix_seed(self._global_step, salt)
         u = momentum_fn(
             g.contiguous(), state["exp_avg_codes"], state["exp_avg_scale"],
@@ -627,12 +703,25 @@ class GefenMuon(Gefen):
         return u.view(g.shape)
 
     def _orthogonalise(self, u: Tensor, group: dict[str, Any]) -> Tensor:
-        return newton_schulz(u, group["ns_coefficients"], eps=group["eps"], dtype=self._ns_dtype,
-                             fp8=group["fp8_ns"], fp8_compile=group["fp8_ns_compile"])
+        return _newton_schulz(u, group["ns_coefficients"], eps=group["eps"],
+                              dtype=self._ns_dtype, fp8=group["fp8_ns"],
+                              fp8_compile=group["fp8_ns_compile"])
 
     def _finish(self, p: Tensor, g: Tensor, o: Tensor, group: dict[str, Any],
                 lr: float | Tensor) -> None:
         """§4.3 steps 5–8: NorMuon, cautious masking, decoupled decay and the update."""
+        if torch.compiler.is_compiling():
+            # One opaque op, so the compiled step rounds as the eager one
+            # (docs/algorithm.md#compiled-stepping); a steady step has the NorMuon state.
+            state = self.state[p]
+            _muon_update.update_opaque(
+                p, g, o, [state["normuon_exp_avg_sq"], state["normuon_step"]]
+                if group["normuon"] else [], lr=lr, weight_decay=group["weight_decay"],
+                alpha=adjusted_lr_ratio(group["adjust_lr_fn"], p.shape),
+                normuon_beta2=float(group["normuon_beta2"]), normuon_eps=group["normuon_eps"],
+                use_cautious=group["cautious"], maximize=group["maximize"],
+                capturable=_compiled_step.counters_on_device(state))
+            return
         self._apply_update(p, self._post_ns(p, g, o, group), group, lr)
 
     def _post_ns(self, p: Tensor, g: Tensor, o: Tensor, group: dict[str, Any]) -> Tensor:
@@ -640,12 +729,7 @@ class GefenMuon(Gefen):
         if group["normuon"]:
             o = self._normuon(p, o, group)
         if group["cautious"]:
-            grad = g.neg() if group["maximize"] else g
-            keep = (o.sign() * grad.sign()) > 0
-            acc = torch.float64 if o.dtype == torch.float64 else torch.float32
-            # The rescale factor in fp32 (a bf16 count would be inexact above 256), applied
-            # in O's dtype.
-            o = o.mul_(keep).mul_(o.numel() / keep.sum().clamp_min(1).to(acc))
+            o = _muon_update.cautious(o, g, maximize=group["maximize"])
         return o
 
     def _update_target(self, p: Tensor, o: Tensor) -> tuple[Tensor, Tensor]:
@@ -659,44 +743,19 @@ class GefenMuon(Gefen):
         shape, §4.6) on :meth:`_update_target`'s tensor."""
         alpha = adjusted_lr_ratio(group["adjust_lr_fn"], p.shape)
         p, o = self._update_target(p, o)
-        wd = group["weight_decay"]
-        if isinstance(lr, Tensor):
-            lr_t = lr.to(device=p.device)
-            if wd != 0:
-                p.mul_(1 - lr_t * wd)
-            p.sub_(o.to(p.dtype) * (lr_t * alpha).to(p.dtype))
-            return
-        if lr == 0:
-            return
-        if wd != 0:
-            p.mul_(1.0 - lr * wd)
-        p.add_(o, alpha=-(lr * alpha))
+        _muon_update.write_update(p, o, lr, group["weight_decay"], alpha)
 
     def _normuon(self, p: Tensor, o: Tensor, group: dict[str, Any]) -> Tensor:
         """§4.5 per-row normalisation; keeps ``‖O‖_F`` (so ``adjust_lr_fn`` still holds)."""
         state = self.state[p]
-        rows, cols = o.shape
-        acc = torch.float64 if o.dtype == torch.float64 else torch.float32
         if "normuon_exp_avg_sq" not in state:
             step_dev = o.device if group["capturable"] else torch.device("cpu")
-            state["normuon_exp_avg_sq"] = torch.zeros(rows, 1, dtype=torch.float32,
+            state["normuon_exp_avg_sq"] = torch.zeros(o.shape[0], 1, dtype=torch.float32,
                                                       device=o.device)
             state["normuon_step"] = torch.zeros((), dtype=torch.float32, device=step_dev)
-        beta = float(group["normuon_beta2"])
-        v = state["normuon_exp_avg_sq"]
-        rho = torch.linalg.vector_norm(o, dim=1, keepdim=True, dtype=acc)  # [R, 1]
-        rho_sq = rho.square()
-        v.mul_(beta).add_((rho_sq / cols).to(v.dtype), alpha=1.0 - beta)
-        state["normuon_step"].add_(1)
-        t = state["normuon_step"]
-        if group["capturable"]:
-            # On device, no host sync: scalar base, tensor exponent.
-            bc = 1.0 - torch.pow(beta, t.to(torch.float64))
-        else:
-            bc = 1.0 - beta ** float(t)
-        d = (v.to(acc) / bc).sqrt_().add_(group["normuon_eps"])
-        gamma = rho_sq.sum().sqrt() / (rho / d).square().sum().sqrt().clamp_min(_FLT_MIN)
-        return o.mul_((gamma / d).to(o.dtype))
+        return _muon_update.normuon(o, state["normuon_exp_avg_sq"], state["normuon_step"],
+                                    beta2=float(group["normuon_beta2"]),
+                                    eps=group["normuon_eps"], capturable=group["capturable"])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -44,6 +44,7 @@ __all__ = [
     "fp8_ns_eligible",
     "fp8_ns_supported",
     "newton_schulz",
+    "newton_schulz_opaque",
     "ns_workspace_bytes",
     "plan_ns_batches",
     "resolve_ns_schedule",
@@ -298,6 +299,40 @@ def newton_schulz(
     if tall:
         X = X.mT
     return X.contiguous()
+
+
+@torch.library.custom_op("gefen::newton_schulz", mutates_args=())
+def _newton_schulz_op(x: Tensor, coefficients: list[float], eps: float, dtype: torch.dtype,
+                      fp8: bool, fp8_compile: bool) -> Tensor:
+    schedule = [(coefficients[i], coefficients[i + 1], coefficients[i + 2])
+                for i in range(0, len(coefficients), 3)]
+    return newton_schulz(x, schedule, eps=eps, dtype=dtype, fp8=fp8, fp8_compile=fp8_compile)
+
+
+@_newton_schulz_op.register_fake
+def _newton_schulz_fake(x: Tensor, coefficients: list[float], eps: float, dtype: torch.dtype,
+                        fp8: bool, fp8_compile: bool) -> Tensor:
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+def newton_schulz_opaque(
+    x: Tensor,
+    schedule: Sequence[Coefficients],
+    *,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+    fp8: bool = False,
+    fp8_compile: bool = True,
+) -> Tensor:
+    """:func:`newton_schulz` through the custom op ``torch.ops.gefen.newton_schulz``, which
+    ``torch.compile`` keeps opaque: a compiled optimizer step then runs the eager GEMMs with
+    their roundings (the compiler would fuse the bf16 epilogues and round elsewhere,
+    docs/algorithm.md#compiled-stepping). Same arguments, result and errors as
+    :func:`newton_schulz`."""
+    flat = [float(c) for triple in schedule for c in triple]
+    result: Tensor = torch.ops.gefen.newton_schulz(x, flat, float(eps), dtype, bool(fp8),
+                                                   bool(fp8_compile))
+    return result
 
 
 def ns_workspace_bytes(rows: int, cols: int) -> int:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _amp, _dispatch, _docs, _nonfinite, _params, _seeds, _steady_step
+from . import _amp, _compiled_step, _dispatch, _docs, _nonfinite, _params, _seeds, _steady_step
 from ._seeds import _SALT_TABLES, _SEED_MIX, _to_signed64, mix_seed, name_salt  # noqa: F401
 from .functional import gefen as _gefen_functional
 
@@ -254,6 +254,11 @@ class Gefen(Optimizer):
         self._salt_tensors: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
         # The last full step's launches, repeated while nothing they depend on changes.
         self._steady: _steady_step.SteadyStep | None = None
+        # What a step traced by torch.compile reads and cannot create
+        # (docs/algorithm.md#compiled-stepping).
+        self._compiled_salts: dict[str, int] | None = None
+        self._compiled_salts_key: tuple[int, ...] | None = None
+        self._static_marked_key: tuple[int, ...] | None = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group; validated completely before anything is registered.
@@ -657,6 +662,12 @@ class Gefen(Optimizer):
             RuntimeError: sparse, complex, shape- or device-mismatched gradients (before any
                 mutation); graph capture without ``capturable``; malformed scaler attributes.
         """
+        if torch.compiler.is_compiling():
+            return _compiled_step.traced_step(self, closure)  # docs/algorithm.md#compiled-stepping
+        return self._eager_step(closure)
+
+    def _eager_step(self, closure: Callable[[], Any] | None) -> Any:
+        _compiled_step.sync_global_step(self)
         self._capture_guard()
         loss = None
         if closure is not None:
@@ -747,6 +758,7 @@ class Gefen(Optimizer):
         self.last_step_skipped = False
         self._steady = None if self._has_tensor_betas() \
             else _steady_step.build(self, inits, live, stepped, _dispatch.split_by_device)
+        _compiled_step.prepare(self)
         return loss
 
     def _has_tensor_betas(self) -> bool:

@@ -258,6 +258,9 @@ class GefenDCPState(Stateful):
         with agreed("GefenDCPState.state_dict validation", group=self._group if
                     self._distributed() else None):
             codebook = opt._codebook
+            if opt._device_global_step:
+                # Graph replays and compiled steps advance only the step-count mirrors.
+                opt._sync_global_step()
             for gi, g in enumerate(opt.param_groups):
                 for i, (p, pname) in enumerate(zip(g["params"], g["param_names"])):
                     meta_slots.append(self._slot_meta(gi, i, p, pname))

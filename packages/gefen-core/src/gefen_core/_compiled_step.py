@@ -135,7 +135,7 @@ def functional_step(
         RuntimeError: a CUDA graph is being captured (``mode="reduce-overhead"``) and the
             group is not ``capturable``: the host scalars would be frozen into the graph.
     """
-    from .optimizer import _SEED_MIX, _to_signed64, mix_seed
+    from ._seeds import _SEED_MIX, _to_signed64, mix_seed
 
     if not params:
         return
@@ -320,7 +320,7 @@ def traced_step(opt: Any, closure: Callable[[], Any] | None) -> Any:
 
 @torch.library.custom_op("gefen::step_seed", mutates_args=())
 def _step_seed_op(step_count: Tensor, salt: int) -> Tensor:
-    from .optimizer import _SEED_MIX, _to_signed64
+    from ._seeds import _SEED_MIX, _to_signed64
 
     return torch.bitwise_xor(step_count * _to_signed64(_SEED_MIX), salt).reshape(1)
 
@@ -459,7 +459,7 @@ def prepare(opt: Any) -> None:
                 opt._device_step(device)
     key = tuple(id(group["param_names"]) for group in groups)
     if opt._compiled_salts_key != key:
-        from .optimizer import _to_signed64, name_salt
+        from ._seeds import _to_signed64, name_salt
 
         opt._compiled_salts = {name: _to_signed64(name_salt(name))
                                for group in groups for name in group["param_names"]}

@@ -29,7 +29,8 @@ from .newton_schulz import (
     plan_ns_batches,
     resolve_ns_schedule,
 )
-from .optimizer import Gefen, mix_seed, name_salt
+from ._seeds import mix_seed, name_salt
+from .optimizer import Gefen
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -686,7 +687,7 @@ class GefenMuon(Gefen):
             if compiling:
                 seed_tensor = _compiled_step.seed_tensor(self, name, state, dev)
             elif group["capturable"]:
-                from .optimizer import _SEED_MIX, _to_signed64
+                from ._seeds import _SEED_MIX, _to_signed64
 
                 seed_tensor = torch.bitwise_xor(
                     self._device_step(dev) * _to_signed64(_SEED_MIX),

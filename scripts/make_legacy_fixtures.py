@@ -1,7 +1,7 @@
 """Write small real checkpoints with the published ``gefen`` 1.2.3 and ``gefen-x`` 0.5.0.
 
 The fixtures let ``gefen-core`` prove that it imports what users of those releases have
-on disk (ALGORITHM.md §2.1, §2.3; docs/migration.md). Both releases install the import
+on disk (docs/algorithm.md#legacy-import; docs/migration.md). Both releases install the import
 name ``gefen``, so each runs in its own virtual environment, and this script is run by
 that environment's Python:
 
@@ -86,7 +86,7 @@ CASES = {
         ),
         ("gefen-x-0.5.0-block", "gefen-x", "0.5.0", {"weight_decay": 0.0, "factored_v_2d": False}),
         # FSDP2 (DTensor parameters) on a one-process gloo mesh: state_dict() writes the
-        # rank-local payload of ALGORITHM.md §2.4 with world_size 1.
+        # rank-local payload of docs/algorithm.md#legacy-import with world_size 1.
         (
             "gefen-x-0.5.0-fsdp2-world1",
             "gefen-x",

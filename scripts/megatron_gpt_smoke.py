@@ -4,7 +4,7 @@
     python3 scripts/megatron_gpt_smoke.py --out DIR [--steps 10 --split 5] [--fp32]
     torchrun --nproc-per-node 2 scripts/megatron_gpt_smoke.py --out DIR     (data parallel)
 
-For each recipe of ALGORITHM.md §6.5 (``gefen``, ``muon_adamw``, ``muon_gefen``) a tiny
+For each recipe of docs/algorithm.md#distributed (``gefen``, ``muon_adamw``, ``muon_gefen``) a tiny
 ``megatron.core`` GPTModel (local layer spec, tied embedding/output weights, no dropout) is
 trained on Megatron's ``MockGPTDataset`` through Megatron-Core's own training path: its
 ``DistributedDataParallel``, ``get_forward_backward_func()`` (two micro-batches per update),

@@ -5,8 +5,8 @@
 For each model-shaped bf16 parameter set (``gefen_bench.param_sets``) and each second-moment
 mode, prints the first-step wall time, the steady step's host-issue and CUDA-event times, the
 top host functions under ``cProfile`` over ``--steps`` steady steps, and the device time per
-kernel name from ``torch.profiler`` (ALGORITHM.md §3; the kernels issue's speed targets), then
-the first step of a second optimizer on the same gradients, with the kernels already loaded.
+kernel name from ``torch.profiler`` (docs/algorithm.md#step; the kernels issue's speed targets),
+then the first step of a second optimizer on the same gradients, with the kernels already loaded.
 A diagnostic for kernel work, not a benchmark: ``gefen-bench step`` is the measurement.
 """
 

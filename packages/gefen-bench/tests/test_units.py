@@ -167,7 +167,7 @@ def test_digits_mlp_shapes_and_size() -> None:
     # 64 -> 24 -> 24 -> 10, weights and biases.
     assert sum(p.numel() for p in model.parameters()) == (64 * 24 + 24) + (24 * 24 + 24) + (
         24 * 10 + 10)
-    # The head keeps the name that routes it away from Muon (ALGORITHM.md §5.2).
+    # The head keeps the name that routes it away from Muon (docs/algorithm.md#hybrid).
     muon, rest = registry.split_for_muon(list(model.named_parameters()), model)
     assert {n for n, _ in rest} >= {"classifier.weight", "classifier.bias"}
     assert len(muon) == 2

@@ -1,9 +1,10 @@
-"""The exact optimal quantizer and the codebook (ALGORITHM.md §1.8.2-§1.8.3, O4, O5).
+"""The exact optimal quantizer and the codebook (docs/algorithm.md#histogram,
+docs/algorithm.md#codebook-solver, O4, O5).
 
-The reference is the textbook recurrence of §1.8.3 written here from the spec: fp64 prefix sums
-accumulated left to right, ``D[k][j] = min_{i=k..j} D[k-1][i-1] + cost_k(i, j)`` scanning ``i``
-upward and replacing only on strict improvement, backtracking from ``(M, K)``. The solver must
-return the same codewords (so the same tie choices) and the same cost, bit for bit.
+The reference is the textbook recurrence of docs/algorithm.md#codebook-solver written here from the
+spec: fp64 prefix sums accumulated left to right, ``D[k][j] = min_{i=k..j} D[k-1][i-1] + cost_k(i,
+j)`` scanning ``i`` upward and replacing only on strict improvement, backtracking from ``(M, K)``.
+The solver must return the same codewords (so the same tie choices) and the same cost, bit for bit.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gefen_core.codebook import (
 
 
 # ------------------------------------------------------------------------------------------
-# The textbook recurrence, written from §1.8.3
+# The textbook recurrence, written from docs/algorithm.md#codebook-solver
 # ------------------------------------------------------------------------------------------
 def _prefix(x: np.ndarray, w: np.ndarray) -> tuple[list[float], list[float], list[float]]:
     pw, ps1, ps2 = [0.0], [0.0], [0.0]

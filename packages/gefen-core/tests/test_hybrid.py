@@ -1,4 +1,4 @@
-"""GefenMuonHybrid (ALGORITHM.md §5): routing, groups, state view, AMP, checkpoints."""
+"""GefenMuonHybrid (docs/algorithm.md#hybrid): routing, groups, state view, AMP, checkpoints."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ STEPS = 4
 def _ddp_worker(rank: int, world: int, device: str = "cpu") -> dict:
     """``device="cuda"``: one GPU per rank (NCCL group), and ``deterministic=True`` because
     replica identity needs every rank's optimizer step to be a function of its inputs only
-    (the fused CUDA kernels use float atomics otherwise, §1.15)."""
+    (the fused CUDA kernels use float atomics otherwise, docs/algorithm.md#deterministic)."""
     from gefen_core import Gefen
 
     opt_kw: dict = {}

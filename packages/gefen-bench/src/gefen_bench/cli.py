@@ -6,7 +6,7 @@ Subcommands:
   step      optimizer-step micro-benchmark with a copy-bandwidth roofline
   memory    Gefen's state bytes/param on GPT-2- and Llama-3.2-1B-shaped parameter sets
   codebook  codebook-solver timing
-  resume    Trainer-resume gate (ALGORITHM.md §6.7)
+  resume    Trainer-resume gate (docs/algorithm.md#distributed)
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> dict``.
 Invalid options exit with status 2 and a message naming the option and the fix.

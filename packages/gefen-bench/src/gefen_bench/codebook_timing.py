@@ -1,10 +1,10 @@
 """``gefen-bench codebook``: wall time of the exact optimal codebook solver.
 
-The codebook of Gefen (ALGORITHM.md §1.8) is the exact optimal 256-level quantizer of a
+The codebook of Gefen (docs/algorithm.md#codebook) is the exact optimal 256-level quantizer of a
 4096-bin histogram of block-normalised gradients. The textbook recurrence costs about
-``K * M**2 / 2 = 2e9`` steps for ``M = 4096`` active bins (§8 item 1); ``gefen_core.codebook``
-solves the same problem exactly with monotone-argmin windows in numpy. Target (issue 3):
-<= 50 ms for 4096 active bins on the 2-core CPU machine.
+``K * M**2 / 2 = 2e9`` steps for ``M = 4096`` active bins (docs/algorithm.md#codebook-solver);
+``gefen_core.codebook`` solves the same problem exactly with monotone-argmin windows in numpy.
+Target (issue 3): <= 50 ms for 4096 active bins on the 2-core CPU machine.
 
 The command builds a realistic histogram (Student-t gradients with log-normal row scales,
 normalised per block of 256, binned like ``gefen_kernels.histogram``), times
@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def realistic_counts(elements: int, period: int, seed: int) -> torch.Tensor:
-    """int64 ``[4096]`` histogram of block-normalised Student-t(4) gradients (§1.8.2 binning).
+    """int64 ``[4096]`` histogram of block-normalised Student-t(4) gradients
+    (docs/algorithm.md#histogram binning).
 
     Rows of ``period`` elements get log-normal scales (sigma 1), as gradients of different
     output channels do; every block's extreme lands in bin 0 or 4095. Binned by
@@ -70,7 +71,8 @@ def realistic_counts(elements: int, period: int, seed: int) -> torch.Tensor:
 
 
 def _textbook(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float]:
-    """The §1.8.3 recurrence, vectorised over i per (layer, j); O(k * M**2) work."""
+    """The docs/algorithm.md#codebook-solver recurrence, vectorised over i per (layer, j); O(k *
+    M**2) work."""
     m = x.size
     pw = np.concatenate([[0.0], np.cumsum(w)])
     ps1 = np.concatenate([[0.0], np.cumsum(w * x)])

@@ -34,7 +34,7 @@ device-to-device copy bandwidth measured in the same run. Each row records its `
 Muon-family rows (``GefenMuonHybrid``, ``torch.optim.Muon`` + AdamW) also carry
 ``state_halves`` (:func:`~gefen_bench.state_bytes.state_bytes_by_half`): the Muon half's state
 over the Muon-routed parameters, the backup half's over the rest, and the whole, in bytes and
-bytes/param, printed as a second table. Both are routed by ALGORITHM.md §5.2 (the bench's
+bytes/param, printed as a second table. Both are routed by docs/algorithm.md#hybrid (the bench's
 ``split_for_muon`` for torch Muon, the hybrid's own ``split_params_for_muon``), so on the
 same parameter set the halves cover the same tensors.
 """
@@ -289,7 +289,8 @@ _HALF_COLUMNS = ["optimizer", "model", "Muon half params", "Muon half B/param",
 
 
 def _halves_table(rows: list[dict[str, Any]]) -> list[list[Any]]:
-    """One line per Muon-family row: each half's size and state, and the whole's (§5)."""
+    """One line per Muon-family row: each half's size and state, and the whole's
+    (docs/algorithm.md#hybrid)."""
     table = []
     for r in sorted(rows, key=lambda r: r["model"]):
         h = r.get("state_halves")

@@ -1,10 +1,10 @@
 """The steady-state eager fused step (the kernels issue: GPT-2-shaped steps are host-bound).
 
-A full :meth:`Gefen.step` walks every parameter in Python: it validates each gradient (§1.6 C),
-builds the per-path state lists (``_init_group``), looks up each tensor's launch plan and
-checks the grouped launch tables against every planned tensor's storage. That costs about
-25 µs per tensor of host time, more than the kernels of a GPT-2-sized model take on the GPU.
-In a training loop none of it changes from one step to the next.
+A full :meth:`Gefen.step` walks every parameter in Python: it validates each gradient
+(docs/algorithm.md#step C), builds the per-path state lists (``_init_group``), looks up each
+tensor's launch plan and checks the grouped launch tables against every planned tensor's storage.
+That costs about 25 µs per tensor of host time, more than the kernels of a GPT-2-sized model take on
+the GPU. In a training loop none of it changes from one step to the next.
 
 After a full step whose tensors all took the grouped fused launches, :func:`build` records
 what it launched. The next step calls :meth:`SteadyStep.run` first, which checks, before
@@ -12,7 +12,7 @@ anything is mutated, that a full step would build exactly the same launches:
 
 * every group's parameter list (identity and order) and which parameters have a gradient;
 * each gradient's layout, dtype, shape, device, contiguity and 16-byte alignment (the
-  validation of §1.6 C, and what chose the launch classes);
+  validation of docs/algorithm.md#step C, and what chose the launch classes);
 * each group's options other than ``lr`` and ``weight_decay`` (the plans are built for
   ``betas``, ``eps``, ``maximize`` and the rounding; the path for ``fused``, ``foreach``,
   ``factored_v_2d``, ``capturable``); ``lr`` and ``weight_decay`` are read every step, as in
@@ -183,7 +183,7 @@ class SteadyStep:
         # is the full step's work, in its order.
         overflow, inv_scale = _amp.overflow_and_inverse_scale(opt)
         if overflow:
-            return True  # §1.14: nothing learned, counted or touched.
+            return True  # docs/algorithm.md#mixed-precision: nothing learned, counted or touched.
         if inv_scale is not None:
             _amp.unscale_(every, inv_scale)
         from .optimizer import mix_seed

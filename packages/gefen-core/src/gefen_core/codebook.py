@@ -1,9 +1,10 @@
 """The shared codebook: histogram bin centres and the exact optimal 256-level quantizer.
 
-ALGORITHM.md §1.8.2-§1.8.3, open choices O4 (integer counts, fp64 sums) and O5 (fewer active
-bins than codewords), weakness §8 item 1 (the cubic textbook recurrence is too slow).
+docs/algorithm.md#histogram, docs/algorithm.md#codebook-solver, open choices O4 (integer counts,
+fp64 sums) and O5 (fewer active bins than codewords), docs/algorithm.md#codebook-solver (the cubic
+textbook recurrence is too slow).
 
-The problem (§1.8.3)
+The problem (docs/algorithm.md#codebook-solver)
 --------------------
 Points ``x_1 < ... < x_M`` (the active histogram bin centres) with weights ``w_j > 0`` (the
 counts) are partitioned into ``K`` non-empty contiguous segments. Segment 1 is represented by
@@ -124,9 +125,9 @@ __all__ = [
     "optimal_quantizer",
 ]
 
-#: Codebook size K (ALGORITHM.md Appendix A).
+#: Codebook size K.
 NUM_CODEWORDS = 256
-#: Histogram bins over [-1, 1] (ALGORITHM.md §1.8.2).
+#: Histogram bins over [-1, 1] (docs/algorithm.md#histogram).
 HISTOGRAM_BINS = 4096
 
 ArrayLike = Tensor | np.ndarray | Sequence[float]
@@ -148,7 +149,7 @@ def histogram_bin_centers() -> Tensor:
     """Centres of the 4096 histogram bins over ``[-1, 1]``; fp32 ``[4096]``, on the CPU.
 
     Edges are 4097 fp32 points evenly spaced from -1 to 1 and each centre is the fp32 mean of
-    its two edges (ALGORITHM.md §1.8.2), so centre ``b`` is exactly ``(2b - 4095) / 4096``.
+    its two edges (docs/algorithm.md#histogram), so centre ``b`` is exactly ``(2b - 4095) / 4096``.
     """
     edges = torch.linspace(-1.0, 1.0, HISTOGRAM_BINS + 1, dtype=torch.float32)
     return (edges[:-1] + edges[1:]) / 2
@@ -172,10 +173,10 @@ def optimal_quantizer(points: ArrayLike, weights: ArrayLike,
                       k: int = NUM_CODEWORDS) -> tuple[Tensor, float]:
     """Exact optimal ``k``-level 1-D quantizer with forced endpoints ``-1`` and ``+1``.
 
-    ALGORITHM.md §1.8.3. With ``M >= k`` points the result is the optimum of the textbook
-    recurrence, with its tie choices (see the module docstring for how it is computed without
-    its ``O(k * M**2)`` cost). With fewer points than codewords (open choice O5, recommendation
-    taken) no point is dropped:
+    docs/algorithm.md#codebook-solver. With ``M >= k`` points the result is the optimum of the
+    textbook recurrence, with its tie choices (see the module docstring for how it is computed
+    without its ``O(k * M**2)`` cost). With fewer points than codewords (open choice O5,
+    recommendation taken) no point is dropped:
 
     * ``M <= k - 2`` (or the points already contain ``-1``/``+1`` and the union fits): the
       codebook is ``-1``, every point, ``+1``, padded to ``k`` entries with copies of the largest
@@ -229,12 +230,12 @@ def optimal_quantizer(points: ArrayLike, weights: ArrayLike,
 def optimal_codebook(counts: Tensor, device: torch.device | str | None = None) -> Tensor:
     """The Gefen codebook learned from a 4096-bin histogram; fp32 ``[256]``.
 
-    ALGORITHM.md §1.8.2-§1.8.3: the active bins (``count > 0``) give the points (their fp32
-    centres, :func:`histogram_bin_centers`) and weights (the counts, kept as integers until the
-    fp64 prefix sums, open choice O4); :func:`optimal_quantizer` with ``k = 256`` solves it and
-    the fp64 codewords are rounded to fp32. With ``M >= 256`` active bins the result is strictly
-    increasing (segment means are at least one bin width, ``2**-11``, apart), ``c[0] = -1`` and
-    ``c[255] = +1``; with fewer, see :func:`optimal_quantizer` (open choice O5).
+    docs/algorithm.md#histogram, docs/algorithm.md#codebook-solver: the active bins (``count > 0``)
+    give the points (their fp32 centres, :func:`histogram_bin_centers`) and weights (the counts,
+    kept as integers until the fp64 prefix sums, open choice O4); :func:`optimal_quantizer` with ``k
+    = 256`` solves it and the fp64 codewords are rounded to fp32. With ``M >= 256`` active bins the
+    result is strictly increasing (segment means are at least one bin width, ``2**-11``, apart),
+    ``c[0] = -1`` and ``c[255] = +1``; with fewer, see :func:`optimal_quantizer` (open choice O5).
 
     On a CUDA ``device`` with Triton (and ``M >= 256``) the same recurrence runs there, one
     launch per layer (``gefen_kernels.ops.quantizer_dp``): the same codewords bit for bit,
@@ -311,7 +312,8 @@ def _few_points(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float
 
 
 class _LayeredDP:
-    """The layered recurrence of §1.8.3 with certified monotone-argmin windows (module docstring).
+    """The layered recurrence of docs/algorithm.md#codebook-solver with certified monotone-argmin
+    windows (module docstring).
 
     Indices: points are ``1..M``; prefix arrays have ``M + 1`` entries (index ``r`` = the first
     ``r`` points) plus ``W`` entries of padding for windows that run past ``j``. Layer ``k`` has

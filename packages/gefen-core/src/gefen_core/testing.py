@@ -85,7 +85,7 @@ def gefen_inputs(device: str) -> list[OptimizerInput]:
 
 
 def gefen_error_inputs(device: str) -> list[ErrorOptimizerInput]:
-    """Invalid Gefen configurations and the error each must raise (§1.3)."""
+    """Invalid Gefen configurations and the error each must raise (docs/algorithm.md#overview)."""
     E = ErrorOptimizerInput
     errors = [
         E({"lr": -1e-3}, ValueError, "learning rate", "negative_lr"),

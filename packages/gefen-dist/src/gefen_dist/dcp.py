@@ -9,15 +9,16 @@ Pass it to ``dcp.save`` / ``dcp.load`` in place of the optimizer::
     state = GefenDCPState(model, optimizer)          # any world size
     dcp.load({"model": model.state_dict(), "optim": state}, checkpoint_id=path)
 
-What is written (ALGORITHM.md §6.1, adapted to a global codebook and global periods): per
+What is written (docs/algorithm.md#resharding, adapted to a global codebook and global periods): per
 parameter (keyed by its fully qualified name in ``model``) the dense fp32 momentum
 ``c[q] * s`` and the dense fp32 second moment (each block's value repeated over its elements),
 both shaped and sharded like the parameter, so DCP reshards them natively; the counters, the
 period in use and the unaligned period-search result; the codebook, ``T`` and the
-hyperparameters of every group. A factored ``ShardedGefen`` matrix (§1.11) writes its
-statistics instead of the dense second moment: ``exp_avg_sq_row`` fp32 ``[R]`` sharded like
-the rows and ``exp_avg_sq_col`` fp32 ``[C]`` (replicated, identical on every rank); both are
-exact functions of the global matrix, so any topology restores them bit for bit.
+hyperparameters of every group. A factored ``ShardedGefen`` matrix
+(docs/algorithm.md#factored-second-moment) writes its statistics instead of the dense second moment:
+``exp_avg_sq_row`` fp32 ``[R]`` sharded like the rows and ``exp_avg_sq_col`` fp32 ``[C]``
+(replicated, identical on every rank); both are exact functions of the global matrix, so any
+topology restores them bit for bit.
 
 Loading re-blocks each local shard with the period the live optimizer would use for the new
 topology (:func:`gefen_dist.sharded.aligned_period` of the saved search period) and the *saved*
@@ -31,7 +32,7 @@ union of whole source blocks, the flat source value when it lies inside one, a w
 when it straddles (``docs/checkpoints.md`` lists the measured errors).
 
 Every collective is entered by all ranks; every rank-local check is agreed first, and a load
-is validated completely on every rank before any rank commits (§8 item 5).
+is validated completely on every rank before any rank commits (docs/algorithm.md#distributed).
 """
 
 from __future__ import annotations
@@ -210,7 +211,8 @@ class GefenDCPState(Stateful):
         return period
 
     def _factored(self, gi: int, p: Tensor) -> bool:
-        """Whether the optimizer steps ``p`` with the factored second moment (§1.11)."""
+        """Whether the optimizer steps ``p`` with the factored second moment
+        (docs/algorithm.md#factored-second-moment)."""
         return _core_dispatch.is_factored(
             p, self._opt.param_groups[gi],
             sharded=bool(getattr(self._opt, "_reduces_factored_stats", False)))

@@ -2,16 +2,16 @@
 
 Plain :class:`gefen_core.Gefen` steps a DTensor parameter on its local shard and would learn
 the codebook and each block period from that rank's shard alone, so the optimizer state
-would depend on the world size (ALGORITHM.md §2.4, §6.3). :class:`ShardedGefen` takes the
+would depend on the world size (docs/algorithm.md#distributed). :class:`ShardedGefen` takes the
 same arguments plus ``distributed_mesh`` and makes both functions of the *global* tensor
 (ARCHITECTURE.md, "Distributed design principle"):
 
 * **Period.** On the first step a parameter has a gradient, every rank all-gathers that
   gradient once (``DTensor.full_tensor()``) and runs Gefen's own gates and period search
-  (§1.7) on the full tensor with the global shape, exactly as a single process would. The
-  result ``P`` is then *aligned*: blocks must not straddle a shard boundary, so the stored
-  period is ``gcd(P, ceil(R / W) * row_numel)`` for a ``[R, ...]`` parameter on ``W`` ranks
-  (every shard starts at a multiple of ``ceil(R / W) * row_numel`` elements, DTensor's
+  (docs/algorithm.md#period-search) on the full tensor with the global shape, exactly as a single
+  process would. The result ``P`` is then *aligned*: blocks must not straddle a shard boundary, so
+  the stored period is ``gcd(P, ceil(R / W) * row_numel)`` for a ``[R, ...]`` parameter on ``W``
+  ranks (every shard starts at a multiple of ``ceil(R / W) * row_numel`` elements, DTensor's
   ``torch.chunk`` rule). When ``P`` already divides that (for instance whenever
   ``ceil(R / W)`` is a multiple of ``P / row_numel``), the stored period equals the
   single-process period; otherwise the blocks are a refinement of the single-process blocks
@@ -24,14 +24,14 @@ same arguments plus ``distributed_mesh`` and makes both functions of the *global
 Every collective is entered by every rank in the same order. Before the first one of a step,
 the ranks agree on which parameters have a gradient (:func:`gefen_dist._agree.check_grad_presence`)
 and on whether every gradient is finite, so a rank-local problem becomes the same error (or the
-same skipped step) on every rank instead of a hang (§8 item 5).
+same skipped step) on every rank instead of a hang (docs/algorithm.md#distributed).
 
-* **Factored second moment** (``factored_v_2d=True``, §1.11). A ``Shard(0)`` rank holds whole
-  rows, so its row statistics ``r`` are complete locally, while the column sums of ``g^2`` and
-  ``sum(r')`` (for ``rbar``) are sums over every rank's rows. gefen-core computes each rank's
-  part (:meth:`gefen_core.Gefen._factored_statistics`, mutating nothing); this class sums them
-  with **one fp32 all-reduce per step** for all factored parameters (a bucket of ``C + 1``
-  values each, ranks with an empty shard adding zeros), so ``k`` and ``rbar`` are those of the
+* **Factored second moment** (``factored_v_2d=True``, docs/algorithm.md#factored-second-moment). A
+  ``Shard(0)`` rank holds whole rows, so its row statistics ``r`` are complete locally, while the
+  column sums of ``g^2`` and ``sum(r')`` (for ``rbar``) are sums over every rank's rows. gefen-core
+  computes each rank's part (:meth:`gefen_core.Gefen._factored_statistics`, mutating nothing); this
+  class sums them with **one fp32 all-reduce per step** for all factored parameters (a bucket of ``C
+  + 1`` values each, ranks with an empty shard adding zeros), so ``k`` and ``rbar`` are those of the
   global matrix and ``k`` is identical on every rank; ``r`` stays local to the rank's rows.
   A failure while a rank computes its part is folded into the same all-reduce and becomes the
   same :class:`gefen_dist.CollectiveCheckError` on every rank.
@@ -379,9 +379,9 @@ class ShardedGefen(Gefen):
     def _mirror_empty_shards(self) -> None:
         """Give empty local shards zero-size state and the same counters as their peers.
 
-        gefen-core skips a zero-numel local shard (§1.13). Keeping a zero-size entry with the
-        momentum age of the parameter makes every rank's ``state_dict()`` list the same
-        parameters and keys, which DCP's collective gathers and planners require.
+        gefen-core skips a zero-numel local shard (docs/algorithm.md#step). Keeping a zero-size
+        entry with the momentum age of the parameter makes every rank's ``state_dict()`` list the
+        same parameters and keys, which DCP's collective gathers and planners require.
         """
         for group, i, p, _ in self._entries():
             if not _is_dtensor(p) or p.grad is None or _local(p).numel() > 0:
@@ -468,8 +468,9 @@ class ShardedGefen(Gefen):
 
         Accepts what :meth:`state_dict` writes (DTensor state), the same gathered to full plain
         tensors (``full_state_dict=True``), or compact per-shard tensors. Every rank converts
-        and validates its part (gefen-core's staging, §2.2); the ranks agree on the verdict;
-        only then does any rank commit. A malformed checkpoint on one rank raises
+        and validates its part (gefen-core's staging, docs/algorithm.md#checkpoint-format); the
+        ranks agree on the verdict; only then does any rank commit. A malformed checkpoint on one
+        rank raises
         :class:`gefen_dist.CollectiveCheckError` on every rank and changes nothing.
         """
         from gefen_core.checkpoint import commit, stage_load

@@ -1,4 +1,5 @@
-"""histogram reference (§1.8.2): exact counts against a naive per-block loop."""
+"""histogram reference (docs/algorithm.md#histogram): exact counts against a naive per-block
+loop."""
 
 from __future__ import annotations
 

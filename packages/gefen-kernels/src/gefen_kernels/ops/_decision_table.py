@@ -1,4 +1,5 @@
-"""Nearest-codeword decision table: the §1.9 nearest rounding as one lookup (acceleration only).
+"""Nearest-codeword decision table: the docs/algorithm.md#quantizer nearest rounding as one lookup
+(acceleration only).
 
 The kernels bucket ``x`` as the search table does (``b = clamp(floor((x + 1) * 2048), 0,
 4095)``, fp32, NaN -> 0). Both that bucket map and the nearest rounding of

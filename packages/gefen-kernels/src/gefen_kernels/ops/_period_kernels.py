@@ -1,11 +1,11 @@
 """Triton path of :mod:`.period_scores`: every candidate's score in four launches per chunk,
 and the scores of many tensors in four launches per round.
 
-Same scores as the reference (§1.7.2, §1.7.3, the module docstring of :mod:`.period_scores`),
-to fp64 rounding: the chunk-local exclusive prefix ``E`` is formed as the reference's (fp64
-tile scans plus fp64 tile offsets, over 8M-element chunks instead of 512K) and each block's
-sum, mean and term use the reference's expressions; the tile offsets are scanned in blocks and
-the terms added in another fixed order. Per chunk (:func:`scores_triton`):
+Same scores as the reference (docs/algorithm.md#period-search, the module docstring of
+:mod:`.period_scores`), to fp64 rounding: the chunk-local exclusive prefix ``E`` is formed as the
+reference's (fp64 tile scans plus fp64 tile offsets, over 8M-element chunks instead of 512K) and
+each block's sum, mean and term use the reference's expressions; the tile offsets are scanned in
+blocks and the terms added in another fixed order. Per chunk (:func:`scores_triton`):
 
 1. :func:`_period_prefix_kernel` (one program per ``TILE`` elements): the transform, the
    tile-local inclusive fp64 scans and tile totals, and (Variant L) the tile's part of the

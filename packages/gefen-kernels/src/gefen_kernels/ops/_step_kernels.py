@@ -220,8 +220,9 @@ def _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, nco
 
 @jit
 def _factored_sigma(r, k, inv_rbar_ptr, bc2, bc1, eps):  # type: ignore[no-untyped-def]
-    """§1.11's ``V = f32(f32(r k) * f32(1/rbar))`` and
-    ``sigma = f32(f32(1/f32(f32(sqrt(f32(V * bc2))) + eps)) * bc1)``, per element."""
+    """``V = f32(f32(r k) * f32(1/rbar))`` and
+    ``sigma = f32(f32(1/f32(f32(sqrt(f32(V * bc2))) + eps)) * bc1)``, per element
+    (docs/algorithm.md#factored-second-moment)."""
     big_v = (r * k) * tl.load(inv_rbar_ptr)
     h = tl.math.sqrt_rn(big_v * bc2)
     h = h + eps
@@ -280,7 +281,8 @@ def _quantise(q_ptr, cb_ptr, table_ptr, offs, mask, m, s_new, seed_u,  # type: i
 def _write_param(p_ptr, offs, mask, codeword, s_new, sigma_block, p, big_v, sigma_elem, lr,  # type: ignore[no-untyped-def]
                  decay, FACTORED: tl.constexpr):
     """(lr != 0) The parameter update of ``offs`` from the new codewords and scale:
-    ``p <- fp(fp(p * decay) - f32(f32(c[q'] s' sigma) lr))`` (§1.10 step 5)."""
+    ``p <- fp(fp(p * decay) - f32(f32(c[q'] s' sigma) lr))`` (docs/algorithm.md#block-second-moment
+    step 5)."""
     if lr != 0.0:
         mhat = codeword * s_new
         if FACTORED:

@@ -86,7 +86,8 @@ def tl_codeword_upper(x, cb_ptr):
 
 @jit
 def _bucket(x):
-    """The §1.8.4 bucket ``clamp(floor((x + 1) * 2048), 0, 4095)`` of fp32 ``x`` (NaN: 0)."""
+    """The docs/algorithm.md#quantizer bucket ``clamp(floor((x + 1) * 2048), 0, 4095)`` of fp32
+    ``x`` (NaN: 0)."""
     b = tl.floor((x + 1.0) * 2048.0)
     b = tl.minimum(tl.maximum(b, 0.0), 4095.0)
     return tl.where(x != x, 0.0, b).to(tl.int32)
@@ -106,8 +107,8 @@ def _high_float(bits64):
 
 @jit
 def tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``(L, R, c[L], c[R])`` of §1.9 for fp32 ``x``: ``R = min(lower_bound(c, x), 255)``,
-    ``L = max(R - 1, 0)``.
+    """``(L, R, c[L], c[R])`` of docs/algorithm.md#quantizer for fp32 ``x``: ``R =
+    min(lower_bound(c, x), 255)``, ``L = max(R - 1, 0)``.
 
     ``STEPS = 0``: full 8-probe search over ``cb_ptr`` and two codebook gathers.
     ``STEPS > 0``: ``table_ptr`` is the packed int64 table of
@@ -208,7 +209,8 @@ def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
 
 @jit
 def tl_sr_uniform(seed_u64, index):
-    """§1.9 splitmix64 hash of ``seed + 0x9E3779B97F4A7C15 * (index + 1)`` -> fp32 in [0, 1).
+    """docs/algorithm.md#stochastic-rounding splitmix64 hash of ``seed + 0x9E3779B97F4A7C15 * (index
+    + 1)`` -> fp32 in [0, 1).
 
     ``index``: int32 or int64 (sign-extended). uint64 arithmetic wraps modulo 2**64 and shifts
     are logical, as the hash requires.
@@ -222,8 +224,8 @@ def tl_sr_uniform(seed_u64, index):
 
 @jit
 def tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS: tl.constexpr, seed_u64, index):  # type: ignore[no-untyped-def]
-    """Stochastic rounding (§1.9) of fp32 ``x`` using ``U(seed, index)``: ``(index (int32),
-    codeword (fp32))``; NaN -> 0."""
+    """Stochastic rounding (docs/algorithm.md#stochastic-rounding) of fp32 ``x`` using ``U(seed,
+    index)``: ``(index (int32), codeword (fp32))``; NaN -> 0."""
     left, right, c_left, c_right = tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS)
     width = c_right - c_left
     clamped = tl.minimum(tl.maximum(x, c_left), c_right)

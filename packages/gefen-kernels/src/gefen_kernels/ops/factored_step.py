@@ -1,4 +1,4 @@
-"""Fused Gefen step, factored second-moment mode (ALGORITHM.md §1.11, §3.7).
+"""Fused Gefen step, factored second-moment mode (docs/algorithm.md#factored-second-moment).
 
 For a 2-D parameter ``[R, C]`` whose momentum is kept in ``B`` blocks of ``P`` elements of the
 row-major flattening (as in block mode), in place on ``param``, ``codes``, ``scale``,
@@ -12,13 +12,14 @@ row-major flattening (as in block mode), in place on ``param``, ``codes``, ``sca
    with ``mhat = 0`` where ``V_ij == 0`` (see the non-finite/zero policy in
    :mod:`gefen_kernels._numerics`: rows and columns whose gradient was always zero never move).
 
-Row-sharded parameters (a ``Shard(0)`` DTensor's local rows, ALGORITHM.md §1.11 / §8.5) split
-steps 1-2 at the one place that needs the other shards: :func:`factored_partial_stats` computes,
-without mutating anything, this shard's ``r'`` (its rows are complete locally), the column sums
-of ``g^2`` over its rows and ``sum(r')``; the caller sums the last ``C + 1`` values over the
-shards (one all-reduce, outside this package) and passes them back as ``stats`` with the global
-row count to :func:`factored_step`, which then applies ``k'``/``rbar`` and the update. With one
-shard and no reduction the result is bit-identical to the one-call step.
+Row-sharded parameters (a ``Shard(0)`` DTensor's local rows,
+docs/algorithm.md#factored-second-moment, docs/algorithm.md#distributed) split steps 1-2 at the one
+place that needs the other shards: :func:`factored_partial_stats` computes, without mutating
+anything, this shard's ``r'`` (its rows are complete locally), the column sums of ``g^2`` over its
+rows and ``sum(r')``; the caller sums the last ``C + 1`` values over the shards (one all-reduce,
+outside this package) and passes them back as ``stats`` with the global row count to
+:func:`factored_step`, which then applies ``k'``/``rbar`` and the update. With one shard and no
+reduction the result is bit-identical to the one-call step.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def _finalize_reference(row: Tensor, col: Tensor, stats: Tensor, global_rows: in
 
 def factored_partial_stats_reference(param: Tensor, grad: Tensor, exp_avg_sq_row: Tensor,
                                      exp_avg_sq_col: Tensor, *, beta2: float) -> Tensor:
-    """This shard's part of §1.11 steps 1-2, for a row-sharded parameter; mutates nothing.
+    """This shard's part of docs/algorithm.md#factored-second-moment steps 1-2, for a row-sharded
+    parameter; mutates nothing.
 
     Args:
         param, grad: the local rows ``[R, C]`` (contiguous; grad any float dtype).
@@ -271,7 +273,8 @@ def factored_step_reference(
     stats: Tensor | None = None,
     global_rows: int | None = None,
 ) -> None:
-    """PyTorch reference of the factored-mode step (§1.11), in place.
+    """PyTorch reference of the factored-mode step (docs/algorithm.md#factored-second-moment), in
+    place.
 
     Args:
         param, grad: contiguous ``[R, C]``; param fp32/bf16/fp16 or fp64 (fp64 arithmetic,
@@ -729,9 +732,10 @@ _FIN_CONSTS = dict(FR=_FIN_ROWS, SR=_FIN_SR, FC=_FIN_COLS, SP=_FIN_SP, FT=_FIN_T
 def factored_stats_triton(grad: Tensor, exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, *,
                           beta2: float,
                           layout: tuple[int, int, int, int, int] | None = None) -> Tensor:
-    """Steps 1-2 of §1.11 in two launches: the r/k EMA in place; returns ``1/rbar`` as an fp32
-    ``[1]`` device tensor. One allocation (the partials), no host synchronisation, no torch op
-    in between. ``grad`` is ``[R, C]`` contiguous fp32/bf16/fp16; ``layout`` is
+    """Steps 1-2 of docs/algorithm.md#factored-second-moment in two launches: the r/k EMA in place;
+    returns ``1/rbar`` as an fp32 ``[1]`` device tensor. One allocation (the partials), no host
+    synchronisation, no torch op in between. ``grad`` is ``[R, C]`` contiguous fp32/bf16/fp16;
+    ``layout`` is
     :func:`stats_layout` of its shape (computed here when not given).
 
     The EMA is the reference's expression (:func:`_ema`), so ``r``/``k`` differ from it only

@@ -1,5 +1,5 @@
 """Grouped launches of planned Gefen steps: a whole parameter list in a few launches
-(ALGORITHM.md §3.5, §3.7).
+(docs/algorithm.md#block-second-moment, docs/algorithm.md#factored-second-moment).
 
 With one :class:`.step_plan.StepPlan` launch per tensor, a Llama-3.2-1B-shaped step issued
 about 375 Triton launches, and Triton's Python launcher (tens of µs each) made the eager step

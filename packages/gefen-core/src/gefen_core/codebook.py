@@ -1,11 +1,11 @@
 """The shared codebook: histogram bin centres and the exact optimal 256-level quantizer.
 
-docs/algorithm.md#histogram, docs/algorithm.md#codebook-solver, open choices O4 (integer counts,
-fp64 sums) and O5 (fewer active bins than codewords), docs/algorithm.md#codebook-solver (the cubic
-textbook recurrence is too slow).
+Math: docs/algorithm.md#histogram and docs/algorithm.md#codebook-solver; decisions O4 (integer
+counts, fp64 sums) and O5 (fewer active bins than codewords) in docs/decisions.md. The cubic
+textbook recurrence is too slow for a first step, hence the solver below.
 
-The problem (docs/algorithm.md#codebook-solver)
---------------------
+The problem
+-----------
 Points ``x_1 < ... < x_M`` (the active histogram bin centres) with weights ``w_j > 0`` (the
 counts) are partitioned into ``K`` non-empty contiguous segments. Segment 1 is represented by
 the fixed value ``-1``, segment ``K`` by ``+1`` and every other segment by its weighted mean;

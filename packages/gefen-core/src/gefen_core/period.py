@@ -1,5 +1,4 @@
-"""Block-period search (docs/algorithm.md#period-search, open choice O2,
-docs/algorithm.md#period-search).
+"""Block-period search (docs/algorithm.md#period-search; decision O2 in docs/decisions.md).
 
 :func:`search_period` scores the candidate periods its rules read with the ``gefen_kernels``
 op ``multi_period_scores`` (one pass of chunked fp64 prefix sums over the tensor, no pass and

@@ -16,10 +16,9 @@ launches pass ``enable_fp_fusion=False``):
   fp32-converted gradient), ``v' = f32(f32(b2 * v) + f32(omb2 * mean))``.
 * factored second moment: ``r' = f32(f32(b2 * r) + f32(omb2 * f32(rowsum * f32(1/C))))``,
   likewise ``k'`` with ``1/R``; ``rbar = max(f32(f32(sum r') / f32(R)), FLT_MIN)``;
-  ``V = f32(f32(r_i * k_j) * f32(1/rbar))``. (docs/algorithm.md#factored-second-moment writes the
-  r/k EMA as an fma; this project uses separately rounded products there too, so a single rule holds
-  everywhere and the PyTorch reference, which cannot promise an fma on every device, matches the
-  kernels bit for bit.)
+  ``V = f32(f32(r_i * k_j) * f32(1/rbar))``. (The r/k EMA uses separately rounded products too,
+  not an fma, so a single rule holds everywhere and the PyTorch reference, which cannot promise
+  an fma on every device, matches the kernels bit for bit.)
 * denominator: block ``h = f32(sqrt(v))``, ``h = f32(h * bc2_rsqrt)``; factored
   ``h = f32(sqrt(f32(V * bc2_recip)))``; then ``h = f32(h + eps)``,
   ``sigma = f32(f32(1/h) * bc1_recip)``. Square roots and divisions are IEEE round-to-nearest.

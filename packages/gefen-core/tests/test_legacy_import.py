@@ -1,8 +1,8 @@
 """Import of checkpoints written by the published gefen 1.2.3 and gefen-x 0.5.0.
 
 The fixtures under ``fixtures/legacy/`` are real files written by those packages
-(``scripts/make_legacy_fixtures.py``; ``fixtures/legacy/README.md`` has the commands). Three
-kinds of test:
+(``make_legacy_fixtures.py`` beside this file; ``fixtures/legacy/README.md`` has the commands).
+Three kinds of test:
 
 1. conversion of the fixtures: every legacy key lands under its native name with the same
    dtype, shape and bits (expectations written here from the legacy layout,

@@ -227,8 +227,8 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       min_bytes_per_param=10.0),
         # The hybrids share one lr (docs/algorithm.md#hybrid) and their Muon half uses
         # adjust_lr_fn="match_rms_adamw", so they take the lr torch.optim.Muon gets in "muon"
-        # (1 x AdamW's), not plain Gefen's 0.6. Measured on the LM task (held-out loss,
-        # docs/results/cpu-lm-muon/README.md): at 0.6 x the AdamW-backup hybrid was 15% behind
+        # (1 x AdamW's), not plain Gefen's 0.6. Measured on the CPU LM task (held-out loss):
+        # at 0.6 x the AdamW-backup hybrid was 15% behind
         # "muon", at 1 x 0.9%; the Gefen-backup hybrid with its backup at 0.6 x lr was 2.4%
         # worse than with the shared lr.
         OptimizerSpec("gefen-muon-hybrid", "gefen_core.GefenMuonHybrid (Gefen backup)", 1.0,

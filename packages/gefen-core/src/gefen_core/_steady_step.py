@@ -35,17 +35,16 @@ it never keeps replaced, deleted or offloaded state alive.
 An optimizer that reduces factored statistics (``_reduces_factored_stats``, whose
 ``_factored_statistics`` hook may be a collective on every step) is never recorded.
 
-The step counters (``state["step"]`` and ``state["exp_avg_sq_step"]``, fp32 0-d CPU tensors as
-in ``torch.optim``) are separate tensors, and adding one to ~300 of them costs ~300 dispatches
-(about 1.1 ms on the H200 host under the profiler, half the GPT-2-shaped step's host time;
-``scripts/steady_host_cost.py`` measures a steady step's host time with and without what
-follows). So :func:`build` lays each launch call's counters out as 0-d views of one fp32
-buffer, with their values (the first record replaces the counter tensors; later records of
-the same tensors keep them), and a steady step advances them all with one ``add_`` and reads
-them with one ``tolist``. The record checks the counters' identity and address, so a counter
-replaced or moved (``.set_()``, ``.data =``) sends the step to the full path. The views are
-ordinary tensors to every other reader (``state_dict``, ``torch.save``,
-``torch.distributed.checkpoint``, the full step's ``_foreach_add_``).
+The step counters (``state["step"]`` and ``state["exp_avg_sq_step"]``, fp32 0-d CPU tensors as in
+``torch.optim``) are separate tensors, and adding one to ~300 of them costs ~300 dispatches (about
+1.1 ms on the H200 host under the profiler, half the GPT-2-shaped step's host time). So
+:func:`build` lays each launch call's counters out as 0-d views of one fp32 buffer, with their
+values (the first record replaces the counter tensors; later records of the same tensors keep them),
+and a steady step advances them all with one ``add_`` and reads them with one ``tolist``. The record
+checks the counters' identity and address, so a counter replaced or moved (``.set_()``,
+``.data =``) sends the step to the full path. The views are ordinary tensors to every other
+reader (``state_dict``, ``torch.save``, ``torch.distributed.checkpoint``, the full step's
+``_foreach_add_``).
 """
 
 from __future__ import annotations

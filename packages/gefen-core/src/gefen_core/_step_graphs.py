@@ -38,9 +38,8 @@ that entry eager. A graph keeps its scratch (the factored statistics, at most
 launches, each stream's in blocks of its own) in its private memory pool for as long as it
 lives.
 
-Why it stays opt-in (H200, ``docs/results/h200-2026-11-30-graphs/``). In a
-GPT-2-small-shaped training loop with ``set_to_none=True`` (``scripts/graph_replay_rate.py``,
-149 tensors) 37 of 40 steady steps replayed, and the host time of ``opt.step()`` fell by 0.8 to
+Why it stays opt-in (H200). In a GPT-2-small-shaped training loop with ``set_to_none=True``
+(149 tensors) 37 of 40 steady steps replayed, and the host time of ``opt.step()`` fell by 0.8 to
 2.0 ms in four runs, but the step time measured after a sync moved by -0.8 to +0.3 ms: the
 steady step's checks precede its kernels in both modes, and after them replay saves the
 launches' issue time, which eager launches largely hide behind the kernels' own run. The

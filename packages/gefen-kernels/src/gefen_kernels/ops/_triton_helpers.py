@@ -61,8 +61,7 @@ def tl_codewords(cb_ptr, code):  # type: ignore[no-untyped-def]
     Where Triton can compile it (:func:`gefen_kernels._triton.gather_supported`), a gather
     from a register copy of the 256 codewords instead of from global memory: the same values,
     5-18% off the step tile kernel in block mode and 4-9% in factored mode on the H200 when it
-    replaced the momentum's codeword load (``docs/results/h200-2026-11-29-run6/
-    ablation_codewords.txt``)."""
+    replaced the momentum's codeword load."""
     if GATHER:
         out = _gather(tl.load(cb_ptr + tl.arange(0, 256)), code)
     else:
@@ -161,11 +160,10 @@ def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
     then gathered from a register copy of the codebook (:func:`tl_codewords`, as for the
     momentum's old codeword) instead of read from the pair word: one random 8-byte load per
     element instead of two, the same ``c[q]`` bits. On the H200 (Triton 3.6) this took the
-    step tile kernel (bf16 [8192, 8192]) from 0.569 to 0.409 ms (factored, P = 2048), 0.541 to
-    0.395 (factored, P = 256), 0.424 to 0.323 (block, P = 2048) and 0.392 to 0.288 ms (block,
-    P = 256), with bit-identical codes, scales and parameters
-    (``docs/results/h200-2026-11-30-lookup/ablation_lookup.txt``, variant ``pair_load``
-    against ``base``). Without the gather the pair word is loaded as before.
+    step tile kernel (bf16 [8192, 8192]) from 0.569 to 0.409 ms (factored, P = 2048), 0.541 to 0.395
+    (factored, P = 256), 0.424 to 0.323 (block, P = 2048) and 0.392 to 0.288 ms (block, P = 256),
+    with bit-identical codes, scales and parameters. Without the gather the pair word is loaded as
+    before.
 
     ``STEPS >= 0``: the bracket search of :func:`tl_codeword_bracket`.
     """

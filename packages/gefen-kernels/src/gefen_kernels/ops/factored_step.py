@@ -342,8 +342,8 @@ _STATS_CB = 256  # columns per tile: one warp's 32 lanes x 8 bf16 (16-byte vecto
 _STATS_PROGRAMS = 2048  # about 15 programs per SM on a 132-SM H200 (short last wave)
 # Row strips of at least this many [RB, CB] chunks where the rows allow: a strip's column sums
 # stay in registers from chunk to chunk and are reduced across warps and stored once per
-# strip, not once per chunk. Part of the layout: it sets the column sums' order. H200
-# (docs/results/h200-2026-11-30-strips/), grouped statistics + finalize of the Llama-3.2-1B
+# strip, not once per chunk. Part of the layout: it sets the column sums' order. H200,
+# grouped statistics + finalize of the Llama-3.2-1B
 # 2-D set: 3.23 ms with one chunk per strip (the layout before 2026-11-30), 1.46 with 4, 1.16
 # with 8, 1.01 with 16, 0.95 with 32. Taller strips leave fewer programs, which a one-tensor
 # launch feels: bf16 [2048, 8192] alone took 0.08 ms with 1 or 8 chunks, 0.15 with 16. 8 was
@@ -356,14 +356,14 @@ _STATS_STRIP_CHUNKS = 8
 # (_STATS_CHUNKS) to amortise its start and keep the next chunk's load in flight, but at
 # least _STATS_MIN_PROGRAMS programs per tensor while items allow, so one tensor still fills
 # the GPU. Speed only: the sums do not depend on these. H200 sweep (bit-identical, within 3%
-# of each other; docs/results/h200-2026-11-30-stats/): 4, 8 or 16 chunks alike; 256 minimum
+# of each other): 4, 8 or 16 chunks alike; 256 minimum
 # programs 1-2% faster than 512 on every case (not yet adopted: one run).
 _STATS_CHUNKS = 8
 _STATS_MIN_PROGRAMS = 512
 # Prefetch the next chunk (one more chunk of registers: 80 -> 99 registers for bf16, still two
 # 8-warp programs per SM) for gradients of at most this many bytes per element. Speed only. On
 # the H200 fp32 gradients also gained from it (4 x [8192, 2048]: 0.193 -> 0.174 ms, 128 -> 173
-# registers; docs/results/h200-2026-11-30-stats/), not adopted untested with the GPU suite.
+# registers), not adopted untested with the GPU suite.
 _STATS_PREFETCH_MAX_BYTES = 2
 _STATS_MAX_ROW_PROGRAMS = 512  # bounds the column partials the finalize sums per column
 _STATS_MAX_SPLITS = 1024  # bounds the row partials the finalize sums per row
@@ -442,8 +442,7 @@ def _stats_program(pid, g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows, nc
     order of every sum are those of the one-item loop (``acc`` restarts from zeros at each
     tile, the row sums of a split's first tile add to a masked 0.0).
 
-    Measured on an H200 (Triton 3.6, ``scripts/stats_kernel_bench.py``,
-    ``docs/results/h200-2026-11-30-stats/``), grouped statistics + finalize launch, old (one
+    Measured on an H200 (Triton 3.6), grouped statistics + finalize launch, old (one
     item per program, no prefetch) -> this: 16 x bf16 ``[8192, 2048]`` 0.978 -> 0.842 ms,
     16 x ``[2048, 8192]`` 0.954 -> 0.814 ms, ``[128256, 2048]`` 0.317 -> 0.222 ms (1.66 -> 2.37
     TB/s of gradient read; copy 4.28 TB/s), the Llama-3.2-1B 2-D set 3.51 -> 3.13 ms, 4 x fp32

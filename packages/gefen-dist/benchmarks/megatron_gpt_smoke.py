@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Megatron-Core GPT smoke with Gefen: three recipes, TP=PP=1, mock data, checkpoint continuation.
 
-    python3 scripts/megatron_gpt_smoke.py --out DIR [--steps 10 --split 5] [--fp32]
-    torchrun --nproc-per-node 2 scripts/megatron_gpt_smoke.py --out DIR     (data parallel)
+    python3 packages/gefen-dist/benchmarks/megatron_gpt_smoke.py --out DIR [--steps 10] [--fp32]
+    torchrun --nproc-per-node 2 packages/gefen-dist/benchmarks/megatron_gpt_smoke.py --out DIR
+
+(``--split 5`` sets the checkpoint step; ``torchrun`` runs it data parallel.)
 
 For each recipe of docs/algorithm.md#distributed (``gefen``, ``muon_adamw``, ``muon_gefen``) a tiny
 ``megatron.core`` GPTModel (local layer spec, tied embedding/output weights, no dropout) is

@@ -7,11 +7,11 @@ that environment's Python:
 
     python3 -m venv /work/legacy-venv-gefen
     /work/legacy-venv-gefen/bin/pip install torch==2.13.0 numpy numba gefen==1.2.3
-    /work/legacy-venv-gefen/bin/python scripts/make_legacy_fixtures.py
+    /work/legacy-venv-gefen/bin/python packages/gefen-core/tests/make_legacy_fixtures.py
 
     python3 -m venv /work/legacy-venv-gefenx
     /work/legacy-venv-gefenx/bin/pip install torch==2.13.0 numpy numba gefen-x==0.5.0
-    /work/legacy-venv-gefenx/bin/python scripts/make_legacy_fixtures.py
+    /work/legacy-venv-gefenx/bin/python packages/gefen-core/tests/make_legacy_fixtures.py
 
 (`torch==2.13.0` is pinned: an unpinned torch pulls a multi-GB CUDA build.)
 
@@ -55,8 +55,7 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "packages" / "gefen-core" / "tests" / "fixtures" / "legacy"
+DEFAULT_OUT = Path(__file__).resolve().parent / "fixtures" / "legacy"
 
 SEED = 20261129
 SAVE_STEP = 3  # k: steps before the checkpoint
@@ -455,8 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         if have != want_version:
             parser.error(f"{want_dist}=={want_version} is required, found {have}")
         manifest = make_case(case, want_dist, want_version, extra, args.out)
-        manifest["command"] = f"{Path(sys.executable)} scripts/make_legacy_fixtures.py" + (
-            "" if args.out == DEFAULT_OUT else f" --out {args.out}"
+        manifest["command"] = (
+            f"{Path(sys.executable)} packages/gefen-core/tests/make_legacy_fixtures.py"
+            + ("" if args.out == DEFAULT_OUT else f" --out {args.out}")
         )
         manifest["venv_setup"] = [
             f"python3 -m venv {Path(sys.prefix)}",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Produce the GPU figures under docs/results/ on one CUDA machine, each with its command.
+# Produce the GPU figures of docs/results/h200/ on one CUDA machine, each with its command.
 #
 #   scripts/gpu_results.sh <out-dir> <wheel-dir> <job> [<job> ...]
 #

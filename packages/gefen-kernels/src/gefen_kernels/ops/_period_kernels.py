@@ -30,8 +30,7 @@ ints, as the reference does) and sends all of them with one asynchronous copy pe
 nothing is read back until the caller reads the scores.
 
 **Many tensors** (:func:`scores_triton_many`). The per-tensor path cost about 1.3 ms of host
-time per tensor on an H200 (launches, allocations, one pinned copy; kernel-notes.md, tenth
-session), whatever its size. The
+time per tensor on an H200 (launches, allocations, one pinned copy), whatever its size. The
 batched path cuts every tensor into the same chunks and packs chunks of different tensors
 into *rounds* (a tensor's chunks in order, at most one per round, so its carries pass from
 round to round as from chunk to chunk) whose tile scans fit one scratch buffer of

@@ -13,8 +13,7 @@ optimizer):
 3. ``u_i = fp( f32( fp(c[q'_i]) * s'_b ) )``: the codeword is rounded to the gradient dtype
    ``fp`` before scaling (docs/algorithm.md#gefenmuon), so the output is the *re-quantized* momentum
 4. with ``nesterov``: ``u_i = fp( f32( f32((1 - beta) * g_i) + fp(f32(u_i * beta)) ) )``
-   (docs/algorithm.md#gefenmuon writes an fma; this project rounds every product separately
-   everywhere, see
+   (no fma: every product is rounded separately, as everywhere in
    :mod:`gefen_kernels._numerics`). The state keeps the plain EMA.
 
 The arithmetic is fp32 for fp32/bf16/fp16 gradients (decision O10: the reference

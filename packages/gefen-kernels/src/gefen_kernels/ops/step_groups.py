@@ -3,7 +3,7 @@
 
 With one :class:`.step_plan.StepPlan` launch per tensor, a Llama-3.2-1B-shaped step issued
 about 375 Triton launches, and Triton's Python launcher (tens of µs each) made the eager step
-host-bound (H200 run 4, ``docs/internals/kernel-notes.md``). :class:`StepGroups` sorts a list of
+host-bound on an H200 (``docs/internals/kernels.md``). :class:`StepGroups` sorts a list of
 plans once into classes that one kernel variant serves (mode, dtypes, tile shape, statistics
 tile, alignment) and launches each class as one tile launch (block mode) or one statistics, one
 finalize and one tile launch per chunk of factored tensors whose scratch fits

@@ -68,7 +68,7 @@ def test_windows_are_deterministic_and_in_range() -> None:
 
 
 def test_param_sets_match_the_published_model_sizes() -> None:
-    # Sizes stated in ANCHOR-FIGURES.md (GPT-2 small; Llama-3.2-1B with an untied head).
+    # The published sizes (GPT-2 small; Llama-3.2-1B with an untied head).
     gpt2, llama = shapes_for("gpt2"), shapes_for("llama")
     assert (len(gpt2), numel(gpt2)) == (148, 124_439_808)
     assert (len(llama), numel(llama)) == (147, 1_498_482_688)

@@ -54,7 +54,7 @@ class OptimizerSpec:
         requires: what must be installed (shown when skipped).
         external: ``--target`` key for published packages run in their own process.
         min_bytes_per_param: the least bytes per parameter one bf16 step must move (the
-            bandwidth roofline of ``gefen-bench step``; see ANCHOR-FIGURES.md).
+            bandwidth roofline of ``gefen-bench step``; see docs/benchmarks.md).
         options: optimizer keyword arguments recorded in reports.
         graph: ``gefen-bench step`` captures the steady step in a CUDA graph and times its
             replays (the optimizer is built with ``capturable=True``); only that command on a

@@ -1,6 +1,6 @@
 """``gefen-bench step``: the optimizer-step micro-benchmark with a copy-bandwidth roofline.
 
-Method (ANCHOR-FIGURES.md): parameter sets built from GPT-2- and Llama-3.2-1B shapes
+Method (docs/benchmarks.md): parameter sets built from GPT-2- and Llama-3.2-1B shapes
 (:mod:`.param_sets`), random-normal values, fixed random-normal bf16 gradients, lr=1e-4,
 weight_decay=0, other hyperparameters at their defaults. Each optimizer runs in its own
 process (with a timeout; failures are reported verbatim) which first steps a tiny 3-tensor

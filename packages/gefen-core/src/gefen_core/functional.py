@@ -8,7 +8,7 @@ decay, momentum EMA on the dequantized codes, re-quantization, parameter write) 
 ``gefen_kernels.ops.block_step`` / ``factored_step``. Period search and codebook learning belong to
 :class:`gefen_core.Gefen`.
 
-Three implementations share one keyword-only signature (STYLE.md item 8):
+Three implementations share one keyword-only signature:
 
 * :func:`_single_tensor_gefen` — the reference ops, one tensor at a time;
 * :func:`_foreach_gefen` — the reference ops, with counters and bias corrections batched;

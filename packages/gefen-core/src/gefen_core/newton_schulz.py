@@ -85,7 +85,7 @@ _FP8_MIN_SCALE = 1e-12
 
 def _as_triple(entry: Any, where: str) -> Coefficients:
     if isinstance(entry, Tensor) or not isinstance(entry, Sequence) or isinstance(entry, str):
-        # ValueError, not TypeError: docs/algorithm.md#gefenmuon specifies one error type for
+        # ValueError, not TypeError: GefenMuon raises one error type for
         # malformed schedules.
         raise ValueError(  # noqa: TRY004
             f"{where} must be a sequence of exactly 3 numbers (a, b, c), got {entry!r}"

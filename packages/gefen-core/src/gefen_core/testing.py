@@ -1,4 +1,4 @@
-"""Test registry for Gefen-family optimizers (STYLE.md item 15, after torch's ``OptimizerInfo``).
+"""Test registry for Gefen-family optimizers (after torch's ``OptimizerInfo``).
 
 Each :class:`OptimizerInfo` names an optimizer class, a generator of valid constructor inputs
 (:class:`OptimizerInput`) and a generator of invalid ones with the exception they must raise

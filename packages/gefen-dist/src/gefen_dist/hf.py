@@ -96,7 +96,7 @@ def gefen_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
 
     ``learning_rate`` -> ``lr``; ``(adam_beta1, adam_beta2)`` -> ``betas``; ``adam_epsilon`` ->
     ``eps``; ``weight_decay`` -> ``weight_decay``; plus ``fused=None``: the fused kernels on
-    CUDA tensors, the PyTorch path elsewhere. (docs/algorithm.md#distributed writes ``fused=True``;
+    CUDA tensors, the PyTorch path elsewhere. (The earlier releases' recipe used ``fused=True``;
     gefen_core's ``Gefen`` raises for ``fused=True`` on CPU tensors, so pass it explicitly only when
     every parameter is on CUDA and the kernels must be used.)
 

@@ -4,7 +4,7 @@ Plain :class:`gefen_core.Gefen` steps a DTensor parameter on its local shard and
 the codebook and each block period from that rank's shard alone, so the optimizer state
 would depend on the world size (docs/algorithm.md#distributed). :class:`ShardedGefen` takes the
 same arguments plus ``distributed_mesh`` and makes both functions of the *global* tensor
-(ARCHITECTURE.md, "Distributed design principle"):
+(docs/algorithm.md#distributed):
 
 * **Period.** On the first step a parameter has a gradient, every rank all-gathers that
   gradient once (``DTensor.full_tensor()``) and runs Gefen's own gates and period search

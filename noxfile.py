@@ -3,7 +3,7 @@
     nox -s tests                              every package's CPU suite, latest torch
     nox -s "tests(package='gefen-core')"      one package
     nox -s tests_floor                        the same on the torch floor + lowest siblings
-    nox -s lint typecheck                     ruff, pin/extras sync, workflow schema; mypy
+    nox -s lint typecheck                     ruff, pin/extras sync, docs check, workflows; mypy
     nox -s build                              reproducible sdists + wheels into dist/
     nox -s demo                               the main job: gefen-bench train
     nox -s gpu                                the GPU test list (accelerator machine only)
@@ -347,11 +347,13 @@ def tests_floor(session: nox.Session, package: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff; pins/extras/manifest sync (and its tests); GitHub workflow schema validation."""
+    """ruff; pins/extras/manifest sync; the docs check (links, anchors, citations, work-log
+    wording); the scripts' tests; GitHub workflow schema validation."""
     session.install(
         "ruff", "packaging", "pytest", "pyyaml", "check-jsonschema", "tomli; python_version<'3.11'"
     )
     session.run("python", "scripts/check_extras_sync.py")
+    session.run("python", "scripts/check_docs.py")
     workflows = sorted(str(p) for p in (ROOT / ".github" / "workflows").glob("*.yml"))
     session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
     session.run("python", "scripts/check_workflows.py", *workflows)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Produce the GPU figures under docs/results/ on one CUDA machine, each with its command.
+# Produce the GPU figures of docs/results/h200/ on one CUDA machine, each with its command.
 #
 #   scripts/gpu_results.sh <out-dir> <wheel-dir> <job> [<job> ...]
 #
@@ -68,7 +68,7 @@ for job in "$@"; do
     resume)
       run resume "${RESUME_TIMEOUT:-300}" "$PY" -m gefen_bench.cli resume --device cuda --bf16 --out "$out/resume/resume.json" ;;
     megatron)
-      run megatron "${MEGATRON_TIMEOUT:-300}" "$PY" scripts/megatron_gpt_smoke.py --out "$out/megatron" ;;
+      run megatron "${MEGATRON_TIMEOUT:-300}" "$PY" packages/gefen-dist/benchmarks/megatron_gpt_smoke.py --out "$out/megatron" ;;
     savepeak)
       run savepeak "${SAVEPEAK_TIMEOUT:-300}" "$PY" packages/gefen-dist/benchmarks/dcp_save_peak.py --device cuda --tensors 32 ;;
     *) echo "gpu_results.sh: unknown job $job" >&2; exit 2 ;;

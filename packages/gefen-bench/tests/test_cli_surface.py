@@ -38,6 +38,9 @@ def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str,
         (["arch", "--families", "llama,resnet"], "unknown family 'resnet'"),
         (["step", "--models", "gpt3"], "unknown model 'gpt3'"),
         (["memory", "--models", "bert"], "unknown model 'bert'"),
+        (["profile", "--modes", "adam"], "--modes: unknown value 'adam'"),
+        (["profile", "--models", "bert"], "--models: unknown value 'bert'"),
+        (["profile", "--steps", "0"], "--steps and --top must be >= 1"),
     ],
 )
 def test_argument_errors_are_clear(capsys: pytest.CaptureFixture[str], argv: list[str],
@@ -66,7 +69,7 @@ def test_unknown_optimizer_lists_the_available_ones(capsys: pytest.CaptureFixtur
 def test_every_subcommand_is_registered() -> None:
     parser, modules, _ = cli.build_parser()
     assert set(modules) == {"train", "arch", "step", "memory", "codebook",
-                            "resume"}
+                            "resume", "profile"}
     assert parser.parse_args(["train"]).command == "train"
 
 
@@ -227,6 +230,53 @@ def test_memory_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
         shapes = shapes_for(r["model"], "tiny")
         # fused AdamW on CPU: bf16 exp_avg + exp_avg_sq and an fp32 `step` per tensor.
         assert r["state_bytes"] == 4 * numel(shapes) + 4 * len(shapes)
+
+
+def _check_profile_case(case: dict, device: str) -> None:
+    shapes = dict(shapes_for(case["model"], "tiny"))
+    # Every tensor is stepped and appears in the census with a period dividing its numel.
+    assert sum(c["count"] for c in case["census"]) == len(shapes)
+    for c in case["census"]:
+        n = math.prod(c["shape"])
+        assert n % c["period"] == 0
+        if c["factored"]:
+            assert case["mode"] == "factored" and len(c["shape"]) == 2
+    assert case["first_step_ms"] > 0 and case["step_ms"] > 0 and case["host_issue_ms"] > 0
+    assert case["timer"] == ("cuda-events" if device == "cuda" else "host-wall")
+    assert case["kernels"], "no kernel or operator time was recorded"
+    for k in case["kernels"]:
+        assert k["us_per_step"] > 0 and k["calls_per_step"] > 0
+    times = [k["us_per_step"] for k in case["kernels"]]
+    assert times == sorted(times, reverse=True)
+
+
+def test_profile_cpu_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, ["profile", "--device", "cpu", "--scale", "tiny",
+                                   "--models", "gpt2", "--steps", "2", "--warmup", "1",
+                                   "--top", "5", "--out", str(tmp_path)])
+    assert code == 0, err
+    report = json.loads((tmp_path / "profile.json").read_text())
+    assert report["meta"]["command"].startswith("gefen-bench profile")
+    cases = {c["mode"]: c for c in report["cases"]}
+    assert set(cases) == {"factored", "block"}
+    for case in cases.values():
+        _check_profile_case(case, "cpu")
+        assert len(case["kernels"]) <= 5
+    assert not any(c["factored"] for c in cases["block"]["census"])
+    assert "state census" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profile_cuda_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``gefen-bench profile`` on CUDA: the fused path's kernels, timed with CUDA events."""
+    code, _, err = _run(capsys, ["profile", "--device", "cuda", "--scale", "tiny",
+                                 "--models", "llama", "--modes", "factored", "--steps", "3",
+                                 "--out", str(tmp_path)])
+    assert code == 0, err
+    (case,) = json.loads((tmp_path / "profile.json").read_text())["cases"]
+    _check_profile_case(case, "cuda")
+    assert case["paths"] == ["fused"]
 
 
 @pytest.mark.gpu

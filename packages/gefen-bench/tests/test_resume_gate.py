@@ -1,5 +1,5 @@
-"""The Trainer-resume gate (ALGORITHM.md §6.7): it passes for the three recipes on one process
-and on 2-process DDP (gloo), and it fails when the checkpoint is damaged."""
+"""The Trainer-resume gate (docs/algorithm.md#distributed): it passes for the three recipes on one
+process and on 2-process DDP (gloo), and it fails when the checkpoint is damaged."""
 
 from __future__ import annotations
 

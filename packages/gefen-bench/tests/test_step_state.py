@@ -1,4 +1,4 @@
-"""State bytes per half of Muon-family optimizers (gefen-x issue #6, ALGORITHM.md §5).
+"""State bytes per half of Muon-family optimizers (gefen-x issue #6, docs/algorithm.md#hybrid).
 
 The expected byte counts are written from each optimizer's documented state layout, not
 read back from the code under test: torch.optim.Muon keeps one fp32 ``momentum_buffer`` per

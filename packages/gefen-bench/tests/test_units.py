@@ -68,7 +68,7 @@ def test_windows_are_deterministic_and_in_range() -> None:
 
 
 def test_param_sets_match_the_published_model_sizes() -> None:
-    # Sizes stated in ANCHOR-FIGURES.md (GPT-2 small; Llama-3.2-1B with an untied head).
+    # The published sizes (GPT-2 small; Llama-3.2-1B with an untied head).
     gpt2, llama = shapes_for("gpt2"), shapes_for("llama")
     assert (len(gpt2), numel(gpt2)) == (148, 124_439_808)
     assert (len(llama), numel(llama)) == (147, 1_498_482_688)
@@ -178,7 +178,7 @@ def test_digits_mlp_shapes_and_size() -> None:
     # 64 -> 24 -> 24 -> 10, weights and biases.
     assert sum(p.numel() for p in model.parameters()) == (64 * 24 + 24) + (24 * 24 + 24) + (
         24 * 10 + 10)
-    # The head keeps the name that routes it away from Muon (ALGORITHM.md §5.2).
+    # The head keeps the name that routes it away from Muon (docs/algorithm.md#hybrid).
     muon, rest = registry.split_for_muon(list(model.named_parameters()), model)
     assert {n for n, _ in rest} >= {"classifier.weight", "classifier.bias"}
     assert len(muon) == 2

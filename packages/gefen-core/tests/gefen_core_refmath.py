@@ -1,6 +1,7 @@
-"""An independent float64 implementation of the Gefen update (ALGORITHM.md §1.8.2, §1.9,
-§1.10, §1.11), written from the spec for the tests. It shares no code with gefen_core or
-gefen_kernels."""
+"""An independent float64 implementation of the Gefen update (docs/algorithm.md#histogram,
+docs/algorithm.md#quantizer, docs/algorithm.md#block-second-moment,
+docs/algorithm.md#factored-second-moment), written from the spec for the tests. It shares no code
+with gefen_core or gefen_kernels."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ FLT_MIN = 1.1754943508222875e-38
 
 
 def nearest_codes(z: Tensor, codebook: Tensor) -> Tensor:
-    """§1.9 nearest codeword, ties to the lower index, on float64 values."""
+    """docs/algorithm.md#quantizer nearest codeword, ties to the lower index, on float64 values."""
     c = codebook.to(torch.float64)
     j = torch.searchsorted(c, z.contiguous(), right=False)
     right = j.clamp(0, c.numel() - 1)
@@ -21,7 +22,8 @@ def nearest_codes(z: Tensor, codebook: Tensor) -> Tensor:
 
 
 def histogram(grad: Tensor, period: int) -> Tensor:
-    """§1.8.2: int64 [4096] counts of block-normalised values (fp32 normalisation)."""
+    """docs/algorithm.md#histogram: int64 [4096] counts of block-normalised values (fp32
+    normalisation)."""
     g = grad.detach().reshape(-1, period).to(torch.float32)
     amax = g.abs().amax(dim=1, keepdim=True)
     z = torch.where(amax > 0, g / torch.where(amax > 0, amax, torch.ones_like(amax)),
@@ -50,8 +52,9 @@ def gefen_step64(
     c = codebook.to(f64)
     gb = g.reshape(blocks, period)
     # Bias corrections in fp64 from the exact betas; for fp32/bf16/fp16 parameters the EMAs use
-    # the betas cast to fp32 with 1 - beta formed in fp32 (§1.10 canonical rounding; exact in
-    # fp64 by Sterbenz), fp64 parameters keep fp64 betas (§1.12).
+    # the betas cast to fp32 with 1 - beta formed in fp32 (docs/algorithm.md#block-second-moment
+    # canonical rounding; exact in fp64 by Sterbenz), fp64 parameters keep fp64 betas
+    # (docs/algorithm.md#state-layout).
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** sq_step
     if param.dtype != torch.float64:

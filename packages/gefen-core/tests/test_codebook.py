@@ -27,7 +27,7 @@ from gefen_core.codebook import (
 
 
 # ------------------------------------------------------------------------------------------
-# The textbook recurrence, written from §1.8.3
+# The textbook recurrence, written from docs/algorithm.md#codebook-solver
 # ------------------------------------------------------------------------------------------
 def _prefix(x: np.ndarray, w: np.ndarray) -> tuple[list[float], list[float], list[float]]:
     pw, ps1, ps2 = [0.0], [0.0], [0.0]

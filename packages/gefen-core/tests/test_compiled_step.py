@@ -113,13 +113,13 @@ def test_compiled_step_compiles_once_and_matches_eager() -> None:
     opt, ref = _gefen(nets[0]), _gefen(nets[1])
     step = torch.compile(opt.step)
     _set_grads(nets, 0)
-    # The first call learns the codebook and the periods outside the graph.
+    # The first compiled step learns the codebook and the periods outside the graph.
     breaks, _, _ = _trace_counts(step)
     assert breaks >= 1
     ref.step()
     _assert_same(opt, ref, nets)
     _set_grads(nets, 1)
-    # The second call traces the steady step: one graph, no break.
+    # The second compiled step traces the steady step: one graph, no break.
     assert _trace_counts(step)[:2] == (0, 1)
     ref.step()
     _assert_same(opt, ref, nets)

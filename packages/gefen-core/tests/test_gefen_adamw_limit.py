@@ -1,5 +1,5 @@
-"""The lossless limit of Gefen is AdamW (ALGORITHM.md §1.2): with every period forced to 1
-and the per-block (here per-element) second moment, each momentum value is its own scale and
+"""The lossless limit of Gefen is AdamW (docs/algorithm.md#state-layout): with every period forced
+to 1 and the per-block (here per-element) second moment, each momentum value is its own scale and
 codes are exactly -1 or +1, so the step must track ``torch.optim.AdamW`` to fp32 rounding.
 
 This pins the step math that Gefen shares with AdamW (EMA coefficients, both bias

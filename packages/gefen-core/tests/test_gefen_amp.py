@@ -1,4 +1,5 @@
-"""Mixed precision (ALGORITHM.md §1.14): the native GradScaler protocol and overflow steps."""
+"""Mixed precision (docs/algorithm.md#mixed-precision): the native GradScaler protocol and overflow
+steps."""
 
 from __future__ import annotations
 

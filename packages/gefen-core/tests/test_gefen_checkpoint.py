@@ -1,5 +1,6 @@
-"""Native checkpoints (ALGORITHM.md §2, contracts.md): bit-exact resume, weights_only and
-map_location loads, every malformed case of §2.2 with zero mutation, migrations, copies."""
+"""Native checkpoints (docs/algorithm.md#checkpoint-format, contracts.md): bit-exact resume,
+weights_only and map_location loads, every malformed case of docs/algorithm.md#checkpoint-format
+with zero mutation, migrations, copies."""
 
 from __future__ import annotations
 

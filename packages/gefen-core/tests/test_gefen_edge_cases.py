@@ -1,4 +1,5 @@
-"""Required edge-case behaviour (ALGORITHM.md §1.13) and the structural preflight (§1.6 C)."""
+"""Required edge-case behaviour (docs/algorithm.md#step) and the structural preflight
+(docs/algorithm.md#step C)."""
 
 from __future__ import annotations
 
@@ -320,8 +321,9 @@ def test_period_one_gates() -> None:
 
 
 def test_period_search_error_names_the_parameter_and_changes_nothing() -> None:
-    # A finite gradient whose squares overflow fp32 has no log-contrast period (§1.7.2): the
-    # first step's batched search refuses it by the parameter's name, before any state.
+    # A finite gradient whose squares overflow fp32 has no log-contrast period
+    # (docs/algorithm.md#period-search): the first step's batched search refuses it by the
+    # parameter's name, before any state.
     ps = {n: torch.randn(s, requires_grad=True) for n, s in
           {"a.weight": (16, 32), "b.weight": (16, 32), "c.bias": (32,)}.items()}
     opt = Gefen(list(ps.items()))

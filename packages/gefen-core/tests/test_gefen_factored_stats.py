@@ -1,5 +1,5 @@
-"""The row-shard seam of the factored second moment (§1.11): ``gefen(..., factored_stats=...)``
-and ``Gefen._factored_statistics``.
+"""The row-shard seam of the factored second moment (docs/algorithm.md#factored-second-moment):
+``gefen(..., factored_stats=...)`` and ``Gefen._factored_statistics``.
 
 Unreduced statistics of a whole matrix must reproduce the one-call step bit for bit on every
 implementation; statistics of two row shards summed by hand must give each shard the step the

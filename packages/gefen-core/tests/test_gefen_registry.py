@@ -1,4 +1,4 @@
-"""Generic checks driven by the ``gefen_core.testing`` registry (STYLE.md item 15)."""
+"""Generic checks driven by the ``gefen_core.testing`` registry."""
 
 from __future__ import annotations
 

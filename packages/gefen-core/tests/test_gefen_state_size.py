@@ -1,4 +1,5 @@
-"""State size accounting (§1.2) and the bytes/param report for model-shaped parameter sets."""
+"""State size accounting (docs/algorithm.md#state-layout) and the bytes/param report for
+model-shaped parameter sets."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The step against an independent float64 implementation of §1.8.2/§1.10/§1.11, and the
-properties of the step paths (foreach == for-loop, capturable == eager, stochastic rounding)."""
+"""The step against an independent float64 implementation of docs/algorithm.md#histogram,
+docs/algorithm.md#block-second-moment, docs/algorithm.md#factored-second-moment, and the properties
+of the step paths (foreach == for-loop, capturable == eager, stochastic rounding)."""
 
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ def _check_against_reference(opt: Gefen, params: dict[str, torch.Tensor],
         if p.dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
         elif p.dtype == torch.float64:
-            # fp64 arithmetic, but the stored state (scale, second moment) is fp32 (§1.12), so
-            # the update carries fp32 relative precision: ~1e-7 of an update of size ~lr.
+            # fp64 arithmetic, but the stored state (scale, second moment) is fp32
+            # (docs/algorithm.md#state-layout), so the update carries fp32 relative precision: ~1e-7
+            # of an update of size ~lr.
             torch.testing.assert_close(got, want, rtol=0.0, atol=1e-8)
         else:  # one rounding of the decayed value and one of the result
             tol = 2 * torch.finfo(p.dtype).eps
@@ -98,7 +100,8 @@ def test_step_matches_float64_reference(factored: bool, maximize: bool,
         opt.step()
         if step == 0:
             # The codebook comes from every tensor's first gradient, each binned with its
-            # own period (§1.8.1, §1.8.2), through the exact solver.
+            # own period (docs/algorithm.md#codebook, docs/algorithm.md#histogram), through the
+            # exact solver.
             counts = sum(histogram(grads[n], opt.state[p]["period"])
                          for n, p in params.items())
             assert torch.equal(opt._codebook, optimal_codebook(counts))
@@ -223,7 +226,8 @@ def test_stochastic_rounding_is_seeded_salted_and_differs_from_nearest() -> None
 def test_stochastic_rounding_is_unbiased_through_the_optimizer() -> None:
     # One step from zero state: m = (1 - beta1) g, z = m / max|m| per block. Over many salts
     # (one per parameter name) the mean dequantized code must equal z within the sampling error
-    # of its codeword bracket [c_L, c_R] (§1.9: E[c_q] = z), and the samples must vary.
+    # of its codeword bracket [c_L, c_R] (docs/algorithm.md#quantizer: E[c_q] = z), and the samples
+    # must vary.
     g = torch.randn(4, 64, generator=torch.Generator().manual_seed(9))
     n = 64
     samples = []

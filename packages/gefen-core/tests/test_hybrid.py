@@ -1,4 +1,4 @@
-"""GefenMuonHybrid (ALGORITHM.md §5): routing, groups, state view, AMP, checkpoints."""
+"""GefenMuonHybrid (docs/algorithm.md#hybrid): routing, groups, state view, AMP, checkpoints."""
 
 from __future__ import annotations
 
@@ -141,9 +141,9 @@ def test_hybrid_defaults():
     assert bg["lr"] == 3e-3 and bg["weight_decay"] == 0.0 and bg["betas"] == (0.9, 0.999)
     assert bg["eps"] == 1e-8 and bg["factored_v_2d"] is False
     assert bg["force_1d_period_one"] is False and bg["force_2d_period_one"] is False
-    # The backup's factored_v_2d is pinned off (§5.3): its matrices, large (embedding, head)
-    # and small alike, take the per-block second moment, which is what the factoring rule
-    # asks of the small ones (docs/algorithm.md#factoring-rule).
+    # The backup's factored_v_2d is pinned off (docs/algorithm.md#hybrid): its matrices, large
+    # (embedding, head) and small alike, take the per-block second moment, which is what the
+    # factoring rule asks of the small ones (docs/algorithm.md#factoring-rule).
     assert bg["min_dim_size_to_factor"] == 128
 
 

@@ -1,12 +1,12 @@
 """Import of checkpoints written by the published gefen 1.2.3 and gefen-x 0.5.0.
 
 The fixtures under ``fixtures/legacy/`` are real files written by those packages
-(``scripts/make_legacy_fixtures.py``; ``fixtures/legacy/README.md`` has the commands). Three
-kinds of test:
+(``make_legacy_fixtures.py`` beside this file; ``fixtures/legacy/README.md`` has the commands).
+Three kinds of test:
 
 1. conversion of the fixtures: every legacy key lands under its native name with the same
-   dtype, shape and bits (expectations written here from the legacy layout, ALGORITHM.md §2.1,
-   and contracts.md);
+   dtype, shape and bits (expectations written here from the legacy layout,
+   docs/algorithm.md#legacy-import, and contracts.md);
 2. malformed or unimportable legacy inputs are refused with a ValueError that says why;
 3. end to end: ``gefen_core.Gefen`` loads the raw checkpoint file, replays the saved
    continuation gradients, and lands within a tolerance derived below of the parameters the
@@ -57,9 +57,9 @@ def _saved_state(case: str) -> dict[str, Any]:
 def _plain_view(sd: dict[str, Any]) -> tuple[dict[Any, Any], torch.Tensor | None, int]:
     """(per-parameter states, codebook, global step) of a legacy dict.
 
-    gefen-x 0.5.x with FSDP2 writes the rank-local form (ALGORITHM.md §2.4): the states of rank
-    r are ``torch.save`` bytes in ``state[first]["_gefen_rank_local_payload_<r>"]``, in the
-    order of the saved ids. Decoded here independently of the code under test.
+    gefen-x 0.5.x with FSDP2 writes the rank-local form (docs/algorithm.md#legacy-import): the
+    states of rank r are ``torch.save`` bytes in ``state[first]["_gefen_rank_local_payload_<r>"]``,
+    in the order of the saved ids. Decoded here independently of the code under test.
     """
     first = next(iter(sd["state"].values()), {})
     if "_gefen_rank_local_payload_0" in first:
@@ -223,7 +223,8 @@ def test_gefen_123_layout_is_one_group_per_parameter() -> None:
     groups = out["param_groups"]
     assert [g["params"] for g in groups] == [[i] for i in range(len(m["param_order"]))]
     assert [g["name"] for g in groups] == m["param_order"]
-    # gefen 1.2.x kept P = 1 momentum scales in groups of d (§1.7.5); fc1.bias is one group.
+    # gefen 1.2.x kept P = 1 momentum scales in groups of d (docs/algorithm.md#legacy-import);
+    # fc1.bias is one group.
     old = _saved_state("gefen-1.2.3")["state"][1]
     assert old["automatic_period"] == 1 and old["period_one_divisor"] == 16
     assert tuple(out["state"][1]["exp_avg_scale"].shape) == (16, 1)
@@ -316,7 +317,8 @@ WORLD2 = "gefen-x-0.5.0-fsdp2-world2"
 
 
 def _fsdp2_world2() -> dict[str, Any]:
-    """A real two-rank FSDP2 checkpoint of gefen-x 0.5.0 (rank-local form, §2.4)."""
+    """A real two-rank FSDP2 checkpoint of gefen-x 0.5.0 (rank-local form,
+    docs/algorithm.md#legacy-import)."""
     return _load(WORLD2, f"state_step{_manifest(WORLD2)['save_step']}.pt")
 
 
@@ -493,9 +495,9 @@ def test_the_migration_route_for_multi_rank_checkpoints_imports() -> None:
 # * Second moment. Both runs compute the same EMA of mean squares; they differ by the order
 #   of the fp32 sums (at most n·u relative for n positive terms: n = P per block, R + C per
 #   factored row/column) and by how 1 - beta2 is formed: the published packages pass
-#   f32(1 - beta2), gefen-core forms 1 - f32(beta2) in fp32 (§1.10's canonical rounding).
-#   delta(beta) below is that relative coefficient difference (1.3e-5 for beta2 = 0.999,
-#   i.e. ~200 ulp: the largest systematic term). A convex EMA keeps a relative error, so
+#   f32(1 - beta2), gefen-core forms 1 - f32(beta2) in fp32 (docs/algorithm.md#block-second-moment's
+#   canonical rounding). delta(beta) below is that relative coefficient difference (1.3e-5 for beta2
+#   = 0.999, i.e. ~200 ulp: the largest systematic term). A convex EMA keeps a relative error, so
 #   |dv|/v <= k·delta(beta2) + (n + 3m)u (k = 3 for the factored r·k/mean(r), n = P per
 #   block or 2(R + C) factored, over m steps), and the step size sigma ~ v^-1/2 gets half
 #   of it plus the roundings of the bias corrections, root, reciprocal and products:
@@ -510,7 +512,8 @@ def test_the_migration_route_for_multi_rank_checkpoints_imports() -> None:
 #   m_hat = c[q]·s' differs only through s'. Otherwise (a near tie) the codes may differ,
 #   and |m_hat - m_hat'| <= |m - m'| + half the largest codebook gap over the uncertainty
 #   interval times each side's scale.
-# * gefen 1.2.x at P = 1 kept one momentum scale per d elements (§1.7.5); gefen-core keeps
+# * gefen 1.2.x at P = 1 kept one momentum scale per d elements (docs/algorithm.md#legacy-import);
+# gefen-core keeps
 #   that parameter's momentum per element after import (exact at P = 1), so from the first
 #   continuation step the difference is the package's own quantisation error, bounded as
 #   for a near tie (scale: the legacy group's max |m|, gefen-core side exact).
@@ -786,7 +789,8 @@ def test_continuation_bound_catches_a_wrong_hyperparameter() -> None:
 
 
 def test_untagged_gefen_123_checkpoint_loads_under_the_live_deterministic_flag() -> None:
-    """§1.15: a checkpoint without a deterministic tag loads under the live optimizer's value."""
+    """docs/algorithm.md#deterministic: a checkpoint without a deterministic tag loads under the
+    live optimizer's value."""
     from gefen_core import Gefen
 
     case = "gefen-1.2.3"

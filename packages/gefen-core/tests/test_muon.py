@@ -1,4 +1,5 @@
-"""GefenMuon (ALGORITHM.md §4) against a full-precision Muon written here from the math."""
+"""GefenMuon (docs/algorithm.md#gefenmuon) against a full-precision Muon written here from the
+math."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def alpha_reference(kind, rows, cols):
 
 
 def normuon_reference(o, v, t, beta2=0.95, eps=1e-8):
-    """§4.5 in float64; returns (new O, new v)."""
+    """docs/algorithm.md#gefenmuon in float64; returns (new O, new v)."""
     rows, cols = o.shape
     rho = o.norm(dim=1, keepdim=True)
     v = beta2 * v + (1 - beta2) * rho**2 / cols
@@ -140,7 +141,8 @@ def test_group_keys_and_gefen_view():
     g = opt.param_groups[0]
     assert g["lr"] == 1e-3 and g["weight_decay"] == 0.1 and g["eps"] == 1e-7
     assert g["momentum"] == 0.95 and g["nesterov"] is True
-    assert g["betas"] == (0.95, 0.0)  # §4.1: a Gefen with betas = (momentum, 0)
+    # docs/algorithm.md#gefenmuon: a Gefen with betas = (momentum, 0)
+    assert g["betas"] == (0.95, 0.0)
     assert g["factored_v_2d"] is False
     assert [tuple(t) for t in g["ns_coefficients"]] == STANDARD and g["ns_steps"] == 5
     assert g["normuon"] is False and g["cautious"] is False and g["sharded_mode"] == "exact"
@@ -273,7 +275,8 @@ def test_unquantized_options_equal_reference(option):
         w.grad = g.clone()
         opt.step()
         expect = ref.step(g)
-        # NorMuon's second moment is fp32 state (§4.5): float32 round-off, not float64.
+        # NorMuon's second moment is fp32 state (docs/algorithm.md#gefenmuon): float32 round-off,
+        # not float64.
         tol = 1e-6 if option == "normuon" else 1e-10
         torch.testing.assert_close(w.detach(), expect, rtol=tol, atol=tol)
 
@@ -375,7 +378,8 @@ def test_quantized_momentum_stays_within_the_256_level_bound():
 
 
 def test_one_step_requantisation_matches_the_quantizer():
-    """One step from a known state, checked element by element in float64 (§1.10 step 5)."""
+    """One step from a known state, checked element by element in float64
+    (docs/algorithm.md#block-second-moment step 5)."""
     shape = (16, 48)
     w = torch.nn.Parameter(torch.zeros(shape))
     opt = GefenMuon([w], lr=0.0, momentum=0.8, nesterov=False)

@@ -1,5 +1,6 @@
-"""GefenMuon's ``fused`` option: the Triton Muon momentum kernel (§3.8) on CUDA, the PyTorch
-reference elsewhere, and the same refusal as Gefen when ``fused=True`` cannot be honoured."""
+"""GefenMuon's ``fused`` option: the Triton Muon momentum kernel (docs/algorithm.md#gefenmuon) on
+CUDA, the PyTorch reference elsewhere, and the same refusal as Gefen when ``fused=True`` cannot be
+honoured."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Newton–Schulz orthogonalisation (ALGORITHM.md §4.4) against float64 math written here."""
+"""Newton–Schulz orthogonalisation (docs/algorithm.md#gefenmuon) against float64 math written
+here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from gefen_core import newton_schulz as ns
 
-# The schedules as printed in ALGORITHM.md §4.4, typed in independently of the module.
+# The schedules as printed in docs/algorithm.md#gefenmuon, typed in independently of the module.
 SPEC = {
     "standard": [(3.4445, -4.7750, 2.0315)] * 5,
     "tuned3": [
@@ -143,7 +144,8 @@ def test_bf16_default_is_close_to_float64(name):
 
 
 def test_spec_peaks_of_the_tuned_schedules_hold():
-    # §4.4: robust for σ ∈ [1e-2, 1] with peak ≤ 1.15 (tuned3) / ≤ 1.01 (tuned4).
+    # docs/algorithm.md#gefenmuon: robust for σ ∈ [1e-2, 1] with peak ≤ 1.15 (tuned3) / ≤ 1.01
+    # (tuned4).
     assert band(SPEC["tuned3"])[1] <= 1.15
     assert band(SPEC["tuned4"])[1] <= 1.01
     for name in SPEC:
@@ -154,7 +156,7 @@ def test_spec_peaks_of_the_tuned_schedules_hold():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_result_is_orthogonal_within_the_schedule_band(name, dtype):
     # 32 singular values log-spaced so that after Frobenius normalisation they fill
-    # [1e-2 · a bit, 1]: the band of §4.4 applies to every one of them.
+    # [1e-2 · a bit, 1]: the band of docs/algorithm.md#gefenmuon applies to every one of them.
     s = np.geomspace(1.0, 0.03, 32)
     x = matrix_with_singular_values(32, 80, s, seed=3)
     normalised = s / np.linalg.norm(s)

@@ -80,14 +80,18 @@ def _run(kwargs: dict, bad: dict[int, str] | None, steps: int = 6, device: str =
 @pytest.mark.parametrize("factored", [True, False], ids=["factored", "block"])
 @pytest.mark.parametrize("foreach", [False, True], ids=["for_loop", "foreach"])
 def test_skip_nonfinite_changes_nothing_and_the_run_continues_exactly(factored, foreach):
-    kw = dict(skip_nonfinite=True, factored_v_2d=factored, min_dim_size_to_factor=0, foreach=foreach)
+    kw = dict(
+        skip_nonfinite=True, factored_v_2d=factored, min_dim_size_to_factor=0, foreach=foreach
+    )
     # Step 0 would learn the codebook, step 3 is an ordinary step; NaN and Inf both skip.
     params, opt = _run(kw, bad={0: "nan", 3: "inf"}, steps=7)
     assert opt.skipped_steps == 2
     assert set(opt.step_paths().values()) == {"foreach" if foreach else "for_loop"}
     # The reference never sees the two bad steps: the same gradients otherwise, in order.
     ref_params = _params()
-    ref = Gefen(ref_params, lr=1e-2, factored_v_2d=factored, min_dim_size_to_factor=0, foreach=foreach)
+    ref = Gefen(
+        ref_params, lr=1e-2, factored_v_2d=factored, min_dim_size_to_factor=0, foreach=foreach
+    )
     for step in range(7):
         if step in (0, 3):
             continue
@@ -149,7 +153,9 @@ def test_without_skip_a_factored_matrix_loses_the_row_and_column(foreach):
     """Factored mode: the row and the column through the Inf become NaN; the mean row
     statistic is then infinite, so every other element gets a zero update."""
     params, opt = _run(
-        dict(factored_v_2d=True, min_dim_size_to_factor=0, foreach=foreach, weight_decay=0.0), bad=None, steps=3
+        dict(factored_v_2d=True, min_dim_size_to_factor=0, foreach=foreach, weight_decay=0.0),
+        bad=None,
+        steps=3,
     )
     w = dict(params)["w"]
     before = w.detach().clone()
@@ -297,12 +303,16 @@ def test_gpu_fused_and_steady_paths_skip_exactly(factored):
 
     if not gefen_kernels.triton_available():
         pytest.fail("CUDA is present but Triton is not: the fused path cannot be tested")
-    kw = dict(skip_nonfinite=True, factored_v_2d=factored, min_dim_size_to_factor=0, deterministic=True)
+    kw = dict(
+        skip_nonfinite=True, factored_v_2d=factored, min_dim_size_to_factor=0, deterministic=True
+    )
     params, opt = _run(kw, bad={1: "inf", 5: "nan"}, steps=8, device="cuda")
     assert opt.skipped_steps == 2
     assert "fused" in set(opt.step_paths().values())
     ref_params = _params("cuda")
-    ref = Gefen(ref_params, lr=1e-2, factored_v_2d=factored, min_dim_size_to_factor=0, deterministic=True)
+    ref = Gefen(
+        ref_params, lr=1e-2, factored_v_2d=factored, min_dim_size_to_factor=0, deterministic=True
+    )
     for step in range(8):
         if step in (1, 5):
             continue
@@ -322,7 +332,9 @@ def test_gpu_fused_blast_radius_matches_the_reference():
         out = []
         for fused in (True, False):
             params, opt = _run(
-                dict(factored_v_2d=factored, min_dim_size_to_factor=0, fused=fused, weight_decay=0.0),
+                dict(
+                    factored_v_2d=factored, min_dim_size_to_factor=0, fused=fused, weight_decay=0.0
+                ),
                 bad=None,
                 steps=3,
                 device="cuda",

@@ -1,4 +1,4 @@
-"""Block-period search (ALGORITHM.md §1.7.2-§1.7.4, Appendix B).
+"""Block-period search (docs/algorithm.md#period-search).
 
 ``naive_period`` below is an independent float64 implementation written from the spec: for
 every candidate it reshapes the gradient into ``[B, p]`` and computes the score directly, then
@@ -26,7 +26,7 @@ from gefen_kernels.ops.period_scores import multi_period_scores_triton
 
 
 # ------------------------------------------------------------------------------------------
-# Independent implementation from §1.7
+# Independent implementation from docs/algorithm.md#period-search
 # ------------------------------------------------------------------------------------------
 def brute_divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -234,7 +234,7 @@ def test_search_periods_equals_naive_per_tensor_with_one_readback(
     monkeypatch.setattr(torch, "cat", counting_cat)
     got = search_periods(grads, shapes, variant=variant)
     monkeypatch.undo()
-    # numel 1 has period 1 (§1.7.1 gate 2); the rest as the naive search.
+    # numel 1 has period 1 (docs/algorithm.md#period-search gate 2); the rest as the naive search.
     assert got == [1 if g.numel() == 1 else naive_period(g, s, variant)
                    for g, s in zip(grads, shapes)]
     # One concatenation of every scored tensor's scores (numel 1 needs none): one host read.

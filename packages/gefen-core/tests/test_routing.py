@@ -1,4 +1,4 @@
-"""Muon/backup routing (ALGORITHM.md §5.2)."""
+"""Muon/backup routing (docs/algorithm.md#hybrid)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ Builds ``--tensors`` parameters of ``--numel`` elements each (default 32 x 2M = 
 plain Gefen once (block mode, so the state is the compact ~1 B/param), then runs one
 ``dcp.save`` per mode in a fresh process and prints the peak memory above what was resident
 before the save, in bytes per parameter: the device peak (``torch.cuda.max_memory_allocated``)
-on CUDA, the process's peak RSS growth on the CPU. ALGORITHM.md §7.4 reports 8.25 -> 0.50
-B/param for this shape on the reference implementation.
+on CUDA, the process's peak RSS growth on the CPU. The published reference implementation
+was reported at 8.25 -> 0.50 B/param for this shape.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ hidden matrices of ``--layers`` Llama-3.2-1B decoder layers (q, k, v, o, gate, u
 16 layers = 973M parameters), shards every layer with ``fully_shard`` (``Shard(0)``), gives
 each parameter a random sharded gradient and times ``opt.step()`` of
 :class:`gefen_dist.ShardedGefenMuon` in ``"exact"``, ``"distributed"`` and ``"approx"`` mode,
-one after the other in the same processes (§4.8). A
+one after the other in the same processes (docs/algorithm.md#distributed). A
 step's time is the slowest rank's wall time between a barrier and the synchronised end of the
 step; the median over ``--steps`` steps after ``--warmup`` is reported, with the single-GPU
 ``GefenMuon`` on the full matrices (rank 0, same shapes) as the reference. Prints one JSON

@@ -5,7 +5,7 @@
 Needs CUDA. Builds ``--tensors`` parameters of ``--numel`` elements, runs three Gefen steps
 (block and factored mode as configured), and prints ``torch.cuda.memory_allocated`` between
 steps for the plain optimizer and for the offloaded one, the difference in bytes and in
-bytes per parameter, and the step time of each (ALGORITHM.md §6.2).
+bytes per parameter, and the step time of each (docs/algorithm.md#distributed).
 """
 
 from __future__ import annotations

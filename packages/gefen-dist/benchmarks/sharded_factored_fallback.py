@@ -3,9 +3,9 @@
     python packages/gefen-dist/benchmarks/sharded_factored_fallback.py --steps 200
 
 ``ShardedGefen`` steps sharded 2-D parameters with the per-block second moment (as gefen-core
-does for every DTensor, ALGORITHM.md §1.11), because the factored row/column statistics would
-need a cross-shard reduction every step. This trains the same small byte-level decoder on
-real text (the Python standard library's ``os.py``) in one process with
+does for every DTensor, docs/algorithm.md#factored-second-moment), because the factored row/column
+statistics would need a cross-shard reduction every step. This trains the same small byte-level
+decoder on real text (the Python standard library's ``os.py``) in one process with
 ``factored_v_2d=True`` and ``False``, and prints the final training loss (mean of the last 20
 steps), the held-out loss and the optimizer state in bytes per parameter for both.
 """

@@ -92,8 +92,8 @@ def make_model(seed: int = 0, **kwargs) -> TinyLM:
 
 ALIGNED_KW = dict(dim=128, layers=1, heads=4, seq=64, extra_rows=4)
 """Every 2-D parameter has ``R % 4 == 0`` and ``2**13 | numel``, so any period the search can
-return (a divisor of the numel that is at most 2048, §1.7.2 rule 4 / §1.7.4) divides the
-``Shard(0)`` chunk on 1, 2 and 4 ranks: the layout never forces a different period."""
+return (a divisor of the numel that is at most 2048, docs/algorithm.md#period-search rule 4) divides
+the ``Shard(0)`` chunk on 1, 2 and 4 ranks: the layout never forces a different period."""
 ALIGNED_OPT_KW = dict(force_1d_period_one=True, period_one_substrings=("registers",))
 
 

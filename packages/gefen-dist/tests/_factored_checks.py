@@ -1,7 +1,7 @@
-"""Checks of ShardedGefen's factored second moment (ALGORITHM.md §1.11) on FSDP2, run inside
-the spawned ranks of ``test_dist_fsdp.py`` (2 and 4 ranks) and ``test_dist_dcp.py`` (1 and 2
-ranks), whose process groups they share so that the suite pays no extra spawns. The row/column
-statistics must be those of the global matrix.
+"""Checks of ShardedGefen's factored second moment (docs/algorithm.md#factored-second-moment) on
+FSDP2, run inside the spawned ranks of ``test_dist_fsdp.py`` (2 and 4 ranks) and
+``test_dist_dcp.py`` (1 and 2 ranks), whose process groups they share so that the suite pays no
+extra spawns. The row/column statistics must be those of the global matrix.
 
 The reference is a single-process ``gefen_core.Gefen`` on the same global model, with the
 periods the shard layout uses, fed every step the gradient that FSDP2 produced (gathered), so

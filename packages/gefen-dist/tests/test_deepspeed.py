@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 0-3 with plain Gefen as the client optimizer (ALGORITHM.md §6.3, §6.4).
+"""DeepSpeed ZeRO 0-3 with plain Gefen as the client optimizer (docs/algorithm.md#distributed).
 
 The config checks run without DeepSpeed. The training tests run DeepSpeed on its CPU
 accelerator with 2 gloo ranks: stages 0-3, CPU ``offload_optimizer`` at stages 2/3 and
@@ -289,7 +289,8 @@ def test_zero_stages_two_ranks():
             assert c["state_entries"] > 0, f"{case}: Gefen holds no momentum codes"
             # Held-out loss, same batch on both ranks (per-rank training losses are noisy).
             assert c["eval"][1] < c["eval"][0], f"{case}: held-out loss did not decrease"
-            # Stages 1-3 hand Gefen ZeRO's flat 1-D partitions (the layout of §6.4).
+            # Stages 1-3 hand Gefen ZeRO's flat 1-D partitions (the layout of
+            # docs/algorithm.md#distributed).
             assert c["flat"] == (case != "stage0"), case
         # ZeRO-1 and ZeRO-2 partition the same flat buffer: equal to the bit.
         assert r["stage1"]["losses"] == r["stage2"]["losses"]

@@ -63,7 +63,8 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     ref = make_model(seed=0)
     ref_opt = Gefen(ref.named_parameters(), lr=LR, factored_v_2d=False)
     for n, p in ref.named_parameters():
-        ref_opt.state[p]["period"] = aligned[n]   # a restored period is reused (§1.8.1)
+        # a restored period is reused (docs/algorithm.md#codebook)
+        ref_opt.state[p]["period"] = aligned[n]
     ref_losses = train(ref, ref_opt, data)
     out["losses_equal_same_periods"] = ref_losses == out["losses"]
     out["codebook_equal_same_periods"] = torch.equal(ref_opt._codebook, codebook)

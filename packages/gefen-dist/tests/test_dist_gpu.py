@@ -4,7 +4,8 @@ same periods; a DCP round trip (sync with the planner, and async) that continues
 bit-identically.
 
 ``deterministic=True`` on both sides: the fused factored/two-phase kernels use float atomics
-otherwise (§1.15), which would make even two single-process runs differ at ulp level.
+otherwise (docs/algorithm.md#deterministic), which would make even two single-process runs differ at
+ulp level.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""FSDP2: ShardedGefenMuon's three sharded modes (ALGORITHM.md §4.8) against a single process.
+"""FSDP2: ShardedGefenMuon's three sharded modes (docs/algorithm.md#distributed) against a single
+process.
 
 Every rank feeds the same batch, so FSDP2's averaged gradient is exactly the single-process
 gradient (see test_dist_fsdp.py). "exact" and "distributed" all-gather those gradients and run
@@ -41,7 +42,8 @@ def _data(device: str = "cpu"):
 
 
 def _muon_kw(device: str = "cpu") -> dict:
-    # CUDA: fixed-order reductions, so two runs on equal inputs are bit-identical (§1.15).
+    # CUDA: fixed-order reductions, so two runs on equal inputs are bit-identical
+    # (docs/algorithm.md#deterministic).
     return {**MUON_KW, "deterministic": True} if device == "cuda" else MUON_KW
 
 

@@ -1,4 +1,4 @@
-"""State offload (ALGORITHM.md §6.2): fail-closed checks and all-or-nothing moves.
+"""State offload (docs/algorithm.md#distributed): fail-closed checks and all-or-nothing moves.
 
 The CPU tests move state to the ``meta`` device as a stand-in for a second device and inject
 copy failures; the GPU test checks offloaded stepping is bit-identical to ordinary stepping.
@@ -67,7 +67,7 @@ def test_move_state_is_all_or_nothing(monkeypatch):
     moved = [v for st in opt.state.values() for v in st.values()
              if isinstance(v, torch.Tensor) and v.ndim > 0]
     assert moved and all(v.is_meta for v in moved)
-    # Counters stay host tensors (§1.5), only the state tensors move.
+    # Counters stay host tensors (docs/algorithm.md#state-layout), only the state tensors move.
     assert all(st["step"].device.type == "cpu" for st in opt.state.values())
 
 

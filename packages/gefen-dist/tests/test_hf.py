@@ -1,4 +1,4 @@
-"""Gefen with the Hugging Face Trainer and the axolotl-style names (ALGORITHM.md §6.6).
+"""Gefen with the Hugging Face Trainer and the axolotl-style names (docs/algorithm.md#distributed).
 
 Tiny Llama / Qwen3 models are built from configs (no download) with tied embeddings and trained
 for a few updates on real text (the standard library's ``os.py`` bytes) on the CPU.
@@ -207,7 +207,7 @@ def test_factory_gefenx_muon_defaults_and_overrides(tmp_path):
     args = _args(tmp_path)
     opt = create_optimizer("gefenx_muon", _model("llama"), args)
     assert isinstance(opt, GefenMuonHybrid) and isinstance(opt.backup, Gefen)
-    # The low-memory recipe: Gefen backup at half the learning rate (§6.6).
+    # The low-memory recipe: Gefen backup at half the learning rate (docs/algorithm.md#distributed).
     assert {g["lr"] for g in opt.backup.param_groups} == {0.5 * 2e-3}
     assert {g["lr"] for g in opt.muon.param_groups} == {2e-3}
     assert all(g["force_1d_period_one"] for g in opt.backup.param_groups)

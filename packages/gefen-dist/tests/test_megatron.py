@@ -1,7 +1,7 @@
 """Megatron-Core integration on the CPU: import, configuration errors, and the torch optimizers
-the three recipes of ALGORITHM.md §6.5 build. Megatron's forward and its optimizer wrappers need
-CUDA: the wrapped GPT training is ``scripts/megatron_gpt_smoke.py`` (H200) and the ``gpu`` test
-below."""
+the three recipes of docs/algorithm.md#distributed build. Megatron's forward and its optimizer
+wrappers need CUDA: the wrapped GPT training is ``benchmarks/megatron_gpt_smoke.py`` of this
+package (H200) and the ``gpu`` test below."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ with ``device="cuda"`` (one GPU per rank, ``torch.cuda.set_device(rank)``) and t
 ``"cpu:gloo,cuda:nccl"`` process group that test_dist_gpu.py uses at world size 1, so CUDA
 collectives go through NCCL. The workers and most assertions are shared with those tests; what
 differs on CUDA is documented in each worker (``deterministic=True`` wherever a result is
-compared bit for bit, because the fused CUDA kernels use float atomics otherwise, §1.15).
+compared bit for bit, because the fused CUDA kernels use float atomics otherwise,
+docs/algorithm.md#deterministic).
 
 Bit-exact comparisons against a single-GPU run stay exact on NCCL for the same reason as on
 gloo: every rank feeds the same batch, so FSDP2's averaged reduce-scatter ((g + g) / 2) returns

@@ -380,7 +380,7 @@ def scenarios() -> Iterator[Callable[[], None]]:
         finally:
             step_plan.needs_int64 = original
     yield run_groups64
-    # The Muon momentum (§3.8): every route, dtype and constexpr flag.
+    # The Muon momentum (docs/algorithm.md#gefenmuon): every route, dtype and constexpr flag.
     from gefen_kernels.ops._muon_kernels import launch_muon_momentum
 
     muon_shapes = [(1, 1, None), (16, 1, None), (4097, 1, None), (3, 7, None), (64, 16, None),

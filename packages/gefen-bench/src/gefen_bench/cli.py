@@ -6,7 +6,8 @@ Subcommands:
   step      optimizer-step micro-benchmark with a copy-bandwidth roofline
   memory    Gefen's state bytes/param on GPT-2- and Llama-3.2-1B-shaped parameter sets
   codebook  codebook-solver timing
-  resume    Trainer-resume gate (ALGORITHM.md §6.7)
+  profile   per-kernel device time of one Gefen step, and the state census
+  resume    Trainer-resume gate (docs/algorithm.md#distributed)
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> dict``.
 Invalid options exit with status 2 and a message naming the option and the fix.
@@ -29,6 +30,7 @@ SUBCOMMANDS = {
     "step": ("step", "opt.step() micro-benchmark on GPT-2/Llama-3.2-1B-shaped parameters"),
     "memory": ("memory", "Gefen state bytes/param on GPT-2/Llama-3.2-1B-shaped parameters"),
     "codebook": ("codebook_timing", "time the exact optimal codebook solver"),
+    "profile": ("profile_step", "per-kernel time of a Gefen step on GPT-2/Llama-3.2-1B shapes"),
     "resume": ("resume", "Trainer-resume gate: interrupted + resumed == uninterrupted"),
 }
 

@@ -74,7 +74,8 @@ def realistic_counts(elements: int, period: int, seed: int) -> torch.Tensor:
 
 
 def _textbook(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float]:
-    """The §1.8.3 recurrence, vectorised over i per (layer, j); O(k * M**2) work."""
+    """The docs/algorithm.md#codebook-solver recurrence, vectorised over i per (layer, j); O(k *
+    M**2) work."""
     m = x.size
     pw = np.concatenate([[0.0], np.cumsum(w)])
     ps1 = np.concatenate([[0.0], np.cumsum(w * x)])

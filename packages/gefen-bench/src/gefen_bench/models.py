@@ -47,7 +47,8 @@ class DigitsCNN(nn.Module):
             nn.MaxPool2d(2),
         )
         self.hidden = nn.Sequential(nn.Flatten(), nn.Linear(2 * c * 16, cfg.hidden), nn.ReLU())
-        # Named "classifier" so Muon-style routing (ALGORITHM.md §5.2) sends it to the backup.
+        # Named "classifier" so Muon-style routing (docs/algorithm.md#hybrid) sends it to the
+        # backup.
         self.classifier = nn.Linear(cfg.hidden, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ NamedParams = Sequence[tuple[str, torch.Tensor]]
 NamedList = list[tuple[str, torch.Tensor]]
 Builder = Callable[..., list[torch.optim.Optimizer]]
 
-# Name fragments that route a 2-D parameter away from Muon (ALGORITHM.md §5.2 rule 4).
+# Name fragments that route a 2-D parameter away from Muon (docs/algorithm.md#hybrid rule 4).
 _MUON_EXCLUDED_NAMES = ("embed", "wte", "wpe", "lm_head", "classifier", "score")
 
 # Gefen's default learning rate as a multiple of AdamW's (the registry's lr_scale of "gefen"):
@@ -56,7 +56,7 @@ class OptimizerSpec:
         requires: what must be installed (shown when skipped).
         external: ``--target`` key for published packages run in their own process.
         min_bytes_per_param: the least bytes per parameter one bf16 step must move (the
-            bandwidth roofline of ``gefen-bench step``; see ANCHOR-FIGURES.md).
+            bandwidth roofline of ``gefen-bench step``; see docs/benchmarks.md).
         options: optimizer keyword arguments recorded in reports.
         graph: ``gefen-bench step`` captures the steady step in a CUDA graph and times its
             replays (the optimizer is built with ``capturable=True``); only that command on a
@@ -81,7 +81,7 @@ class OptimizerSpec:
 def split_for_muon(
     named: NamedParams, model: nn.Module | None = None
 ) -> tuple[NamedList, NamedList]:
-    """(hidden 2-D matrices, everything else): the routing of ALGORITHM.md §5.2.
+    """(hidden 2-D matrices, everything else): the routing of docs/algorithm.md#hybrid.
 
     Embedding weights (by identity when ``model`` is given, else by name), the LM head,
     non-2-D tensors (biases, norms, convolution kernels) go to the second list.
@@ -157,7 +157,7 @@ def _build_hybrid(named: NamedParams, *, lr: float, weight_decay: float, device:
                   model: nn.Module | None = None, **options: object,
                   ) -> list[torch.optim.Optimizer]:
     hybrid = _gefen_class("GefenMuonHybrid")
-    # The hybrid's own routing (ALGORITHM.md §5.1 forms 2 and 3) is part of what is measured.
+    # The hybrid's own routing (docs/algorithm.md#hybrid forms 2 and 3) is part of what is measured.
     source: object = model if model is not None else named
     return [hybrid(source, lr=lr, weight_decay=weight_decay, **options)]
 
@@ -250,10 +250,10 @@ REGISTRY: dict[str, OptimizerSpec] = {
         OptimizerSpec("muon", "torch.optim.Muon on hidden 2-D matrices + AdamW on the rest",
                       1.0, _build_torch_muon, requires="torch>=2.9 (torch.optim.Muon)",
                       min_bytes_per_param=10.0),
-        # The hybrids share one lr (ALGORITHM.md §5.3) and their Muon half uses
+        # The hybrids share one lr (docs/algorithm.md#hybrid) and their Muon half uses
         # adjust_lr_fn="match_rms_adamw", so they take the lr torch.optim.Muon gets in "muon"
         # (1 x AdamW's), as plain Gefen does. Measured on the LM task (held-out loss,
-        # docs/results/cpu-lm-muon/README.md): at 0.6 x the AdamW-backup hybrid was 15% behind
+        # docs/results/cpu/lm-muon.json): at 0.6 x the AdamW-backup hybrid was 15% behind
         # "muon", at 1 x 0.9%; the Gefen-backup hybrid with its backup at 0.6 x lr was 2.4%
         # worse than with the shared lr.
         OptimizerSpec("gefen-muon-hybrid", "gefen_core.GefenMuonHybrid (Gefen backup)", 1.0,

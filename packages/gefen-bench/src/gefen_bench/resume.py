@@ -1,4 +1,4 @@
-"""``gefen-bench resume``: the Trainer-resume gate (ALGORITHM.md §6.7).
+"""``gefen-bench resume``: the Trainer-resume gate (docs/algorithm.md#distributed).
 
 For each recipe (plain ``Gefen``; ``GefenMuonHybrid`` with an AdamW backup; with a Gefen
 backup) the Hugging Face ``Trainer`` trains a tiny Llama or Qwen3 built from a config (tied
@@ -111,8 +111,9 @@ def build_optimizer(recipe: str, model: torch.nn.Module, lr: float,
     """The Trainer arguments that install ``recipe`` for ``model``.
 
     Returns ``({"optimizer_cls_and_kwargs": ...} or {"optimizers": (opt, None)}, optimizer or
-    None)``: plain Gefen is built by the Trainer from its class and kwargs (§6.6); the hybrid
-    splits the model at construction and is passed built.
+    None)``: plain Gefen is built by the Trainer from its class and kwargs
+    (docs/algorithm.md#distributed); the hybrid splits the model at construction and is passed
+    built.
     """
     from gefen_core import Gefen
 
@@ -541,7 +542,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = [[r.recipe, r.model, r.world_size, "PASS" if r.passed else "FAIL",
              r.optimizer_steps, r.losses[-1] if r.losses else None,
              "; ".join(r.errors + r.differences)[:120] or "-"] for r in results]
-    print_table("Trainer resume gate (§6.7): uninterrupted vs checkpoint + resume",
+    print_table("Trainer resume gate: uninterrupted vs checkpoint + resume",
                 ["recipe", "model", "ranks", "result", "steps", "final loss", "why"], rows)
     payload = {"passed": all(r.passed for r in results),
                "options": {k: v for k, v in vars(args).items() if k != "func"},

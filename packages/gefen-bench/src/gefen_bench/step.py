@@ -1,6 +1,6 @@
 """``gefen-bench step``: the optimizer-step micro-benchmark with a copy-bandwidth roofline.
 
-Method (ANCHOR-FIGURES.md): parameter sets built from GPT-2- and Llama-3.2-1B shapes
+Method (docs/benchmarks.md): parameter sets built from GPT-2- and Llama-3.2-1B shapes
 (:mod:`.param_sets`), random-normal values, fixed random-normal bf16 gradients, lr=1e-4,
 weight_decay=0, other hyperparameters at their defaults. Each optimizer runs in its own
 process (with a timeout; failures are reported verbatim) which first steps a tiny 3-tensor
@@ -38,7 +38,7 @@ device-to-device copy bandwidth measured in the same run. Each row records its `
 Muon-family rows (``GefenMuonHybrid``, ``torch.optim.Muon`` + AdamW) also carry
 ``state_halves`` (:func:`~gefen_bench.state_bytes.state_bytes_by_half`): the Muon half's state
 over the Muon-routed parameters, the backup half's over the rest, and the whole, in bytes and
-bytes/param, printed as a second table. Both are routed by ALGORITHM.md §5.2 (the bench's
+bytes/param, printed as a second table. Both are routed by docs/algorithm.md#hybrid (the bench's
 ``split_for_muon`` for torch Muon, the hybrid's own ``split_params_for_muon``), so on the
 same parameter set the halves cover the same tensors.
 """
@@ -304,7 +304,8 @@ _HALF_COLUMNS = ["optimizer", "model", "Muon half params", "Muon half B/param",
 
 
 def _halves_table(rows: list[dict[str, Any]]) -> list[list[Any]]:
-    """One line per Muon-family row: each half's size and state, and the whole's (§5)."""
+    """One line per Muon-family row: each half's size and state, and the whole's
+    (docs/algorithm.md#hybrid)."""
     table = []
     for r in sorted(rows, key=lambda r: r["model"]):
         h = r.get("state_halves")

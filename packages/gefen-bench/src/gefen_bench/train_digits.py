@@ -42,7 +42,8 @@ class DigitsMLP(nn.Module):
             nn.Linear(64, cfg.hidden), nn.ReLU(),
             nn.Linear(cfg.hidden, cfg.hidden), nn.ReLU(),
         )
-        # Named "classifier" so Muon-style routing (ALGORITHM.md §5.2) sends it to the backup.
+        # Named "classifier" so Muon-style routing (docs/algorithm.md#hybrid) sends it to the
+        # backup.
         self.classifier = nn.Linear(cfg.hidden, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The native GradScaler protocol (ALGORITHM.md §1.14).
+"""The native GradScaler protocol (docs/algorithm.md#mixed-precision).
 
 ``torch.amp.GradScaler.step`` checks ``optimizer._step_supports_amp_scaling``; when it is true
 the scaler does not unscale or skip the step itself but sets two attributes on the optimizer
@@ -42,7 +42,7 @@ def overflow_and_inverse_scale(optimizer: Any) -> tuple[bool, float | None]:
     scale = float(_scalar(grad_scale, "grad_scale").double().item())
     if not math.isfinite(scale) or scale <= 0.0:
         raise RuntimeError(f"Gefen: grad_scale must be finite and > 0, got {scale}")
-    # inv = f32(1 / f64(scale)), §1.14.
+    # inv = f32(1 / f64(scale)), docs/algorithm.md#mixed-precision.
     return False, float(np.float32(1.0 / scale))
 
 

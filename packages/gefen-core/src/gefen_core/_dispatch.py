@@ -47,7 +47,8 @@ def is_dtensor(t: Tensor) -> bool:
 
 
 def local(t: Tensor) -> Tensor:
-    """The tensor Gefen steps: a DTensor's local shard (§0.3), else the tensor itself."""
+    """The tensor Gefen steps: a DTensor's local shard (docs/algorithm.md#state-layout), else the
+    tensor itself."""
     if is_dtensor(t):
         shard: Tensor = t.to_local()  # type: ignore[attr-defined]  # DTensor narrows at runtime
         return shard
@@ -55,14 +56,16 @@ def local(t: Tensor) -> Tensor:
 
 
 def local_numel(t: Tensor) -> int:
-    """Elements of the local shard (the state geometry of a DTensor parameter, §1.5)."""
+    """Elements of the local shard (the state geometry of a DTensor parameter,
+    docs/algorithm.md#state-layout)."""
     return local(t).numel()
 
 
 def is_factored(param: Tensor, group: dict[str, Any], *, sharded: bool = False) -> bool:
-    """Factored second moment (§1.11) for 2-D tensors when ``factored_v_2d`` is set and both
-    sides of the (global) shape are at least the group's ``min_dim_size_to_factor``
-    (docs/algorithm.md#factoring-rule; a group without the key factors every matrix).
+    """Factored second moment (docs/algorithm.md#factored-second-moment) for 2-D tensors when
+    ``factored_v_2d`` is set and both sides of the (global) shape are at least the group's
+    ``min_dim_size_to_factor`` (docs/algorithm.md#factoring-rule; a group without the key factors
+    every matrix).
 
     A DTensor matrix is factored only when ``sharded`` is true: its local rows' column sums
     and ``sum(r)`` are partial, so only an optimizer that reduces them across the shards

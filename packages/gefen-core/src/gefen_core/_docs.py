@@ -1,4 +1,4 @@
-"""Flag and behaviour text, written once and interpolated into every docstring (STYLE.md item 10).
+"""Flag and behaviour text, written once and interpolated into every docstring.
 
 The dispatch rule stated in :data:`DISPATCH_RULE` is the one implemented by
 :func:`gefen_core._dispatch.choose_path`; change both together.

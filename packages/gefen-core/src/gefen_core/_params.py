@@ -1,4 +1,4 @@
-"""Parameter groups, names and hyperparameter validation (ALGORITHM.md §1.3, §1.4).
+"""Parameter groups, names and hyperparameter validation (docs/algorithm.md#overview).
 
 Everything here is pure: it builds or checks plain dicts and never touches an optimizer, so
 the constructor, ``add_param_group`` and ``load_state_dict`` can validate a whole group (or a
@@ -20,8 +20,8 @@ PERIOD_SEARCH_VARIANTS = ("log_contrast", "variance")
 
 # Keys of a group that describe *how* a parameter is stepped rather than *what* is optimised.
 # On load the live optimizer keeps these (so fused<->reference, capturable<->non-capturable and
-# factored<->block migrations of §2.3 are made by constructing the new optimizer), while the
-# hyperparameters and user extras come from the checkpoint.
+# factored<->block migrations of docs/algorithm.md#checkpoint-format are made by constructing the
+# new optimizer), while the hyperparameters and user extras come from the checkpoint.
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "factored_v_2d")
 
 
@@ -269,7 +269,8 @@ def assign_names(
     registered: set[str],
     registered_count: int,
 ) -> tuple[list[str], list[bool]]:
-    """Names and provenance flags per §1.4 (synthesized names and collision suffixes)."""
+    """Names and provenance flags per docs/algorithm.md#overview (synthesized names and collision
+    suffixes)."""
     out: list[str] = []
     synthesized: list[bool] = []
     taken = set(registered)

@@ -1,10 +1,10 @@
 """The steady-state eager fused step (the kernels issue: GPT-2-shaped steps are host-bound).
 
-A full :meth:`Gefen.step` walks every parameter in Python: it validates each gradient (§1.6 C),
-builds the per-path state lists (``_init_group``), looks up each tensor's launch plan and
-checks the grouped launch tables against every planned tensor's storage. That costs about
-25 µs per tensor of host time, more than the kernels of a GPT-2-sized model take on the GPU.
-In a training loop none of it changes from one step to the next.
+A full :meth:`Gefen.step` walks every parameter in Python: it validates each gradient
+(docs/algorithm.md#step C), builds the per-path state lists (``_init_group``), looks up each
+tensor's launch plan and checks the grouped launch tables against every planned tensor's storage.
+That costs about 25 µs per tensor of host time, more than the kernels of a GPT-2-sized model take on
+the GPU. In a training loop none of it changes from one step to the next.
 
 After a full step whose tensors all took the grouped fused launches, :func:`build` records
 what it launched. The next step calls :meth:`SteadyStep.run` first, which checks, before
@@ -12,7 +12,7 @@ anything is mutated, that a full step would build exactly the same launches:
 
 * every group's parameter list (identity and order) and which parameters have a gradient;
 * each gradient's layout, dtype, shape, device, contiguity and 16-byte alignment (the
-  validation of §1.6 C, and what chose the launch classes);
+  validation of docs/algorithm.md#step C, and what chose the launch classes);
 * each group's options other than ``lr`` and ``weight_decay`` (the plans are built for
   ``betas``, ``eps``, ``maximize`` and the rounding; the path for ``fused``, ``foreach``,
   ``factored_v_2d``, ``min_dim_size_to_factor``, ``capturable``); ``lr`` and ``weight_decay``
@@ -35,17 +35,16 @@ it never keeps replaced, deleted or offloaded state alive.
 An optimizer that reduces factored statistics (``_reduces_factored_stats``, whose
 ``_factored_statistics`` hook may be a collective on every step) is never recorded.
 
-The step counters (``state["step"]`` and ``state["exp_avg_sq_step"]``, fp32 0-d CPU tensors as
-in ``torch.optim``) are separate tensors, and adding one to ~300 of them costs ~300 dispatches
-(about 1.1 ms on the H200 host under the profiler, half the GPT-2-shaped step's host time;
-``scripts/steady_host_cost.py`` measures a steady step's host time with and without what
-follows). So :func:`build` lays each launch call's counters out as 0-d views of one fp32
-buffer, with their values (the first record replaces the counter tensors; later records of
-the same tensors keep them), and a steady step advances them all with one ``add_`` and reads
-them with one ``tolist``. The record checks the counters' identity and address, so a counter
-replaced or moved (``.set_()``, ``.data =``) sends the step to the full path. The views are
-ordinary tensors to every other reader (``state_dict``, ``torch.save``,
-``torch.distributed.checkpoint``, the full step's ``_foreach_add_``).
+The step counters (``state["step"]`` and ``state["exp_avg_sq_step"]``, fp32 0-d CPU tensors as in
+``torch.optim``) are separate tensors, and adding one to ~300 of them costs ~300 dispatches (about
+1.1 ms on the H200 host under the profiler, half the GPT-2-shaped step's host time). So
+:func:`build` lays each launch call's counters out as 0-d views of one fp32 buffer, with their
+values (the first record replaces the counter tensors; later records of the same tensors keep them),
+and a steady step advances them all with one ``add_`` and reads them with one ``tolist``. The record
+checks the counters' identity and address, so a counter replaced or moved (``.set_()``,
+``.data =``) sends the step to the full path. The views are ordinary tensors to every other
+reader (``state_dict``, ``torch.save``, ``torch.distributed.checkpoint``, the full step's
+``_foreach_add_``).
 """
 
 from __future__ import annotations
@@ -183,7 +182,7 @@ class SteadyStep:
         # is the full step's work, in its order.
         overflow, inv_scale = _amp.overflow_and_inverse_scale(opt)
         if overflow:
-            return True  # §1.14: nothing learned, counted or touched.
+            return True  # docs/algorithm.md#mixed-precision: nothing learned, counted or touched.
         if inv_scale is not None:
             _amp.unscale_(every, inv_scale)
         from .optimizer import mix_seed

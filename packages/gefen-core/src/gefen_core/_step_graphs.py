@@ -1,16 +1,17 @@
-"""CUDA-graph replay of the planned fused step (the kernels issue; ALGORITHM.md §3.7, §1.16).
+"""CUDA-graph replay of the planned fused step (the kernels issue;
+docs/algorithm.md#factored-second-moment, docs/algorithm.md#capturable).
 
 An eager fused step issues several Triton launches; from Python each costs tens of
 microseconds of host time, so a step over ~150 tensors is host-bound long before its kernels
 are. A training loop, though, steps the same tensors every step. Then the step's launches are
 captured once into a CUDA graph and replayed: one host call per step.
 
-The per-step scalars (``[lr, bc2, bc1_recip, decay]`` of §1.10 step 2 / §1.11 step 2, rounded
-to fp32 on the host exactly as for the eager launches) and the stochastic-rounding seeds are
-read by the kernels from device buffers (their ``HYPER`` / ``SEED_PTR`` variants), refreshed by
-an asynchronous copy from pinned memory before every launch or replay. The kernels compute the
-same bits from a scalar in memory as from the same scalar passed by value, so a replayed step
-equals the eager one bit for bit.
+The per-step scalars (``[lr, bc2, bc1_recip, decay]`` of docs/algorithm.md#block-second-moment step
+2, docs/algorithm.md#factored-second-moment step 2, rounded to fp32 on the host exactly as for the
+eager launches) and the stochastic-rounding seeds are read by the kernels from device buffers (their
+``HYPER`` / ``SEED_PTR`` variants), refreshed by an asynchronous copy from pinned memory before
+every launch or replay. The kernels compute the same bits from a scalar in memory as from the same
+scalar passed by value, so a replayed step equals the eager one bit for bit.
 
 Two users, both opt-in with ``GEFEN_CUDA_GRAPHS=1``:
 
@@ -37,9 +38,8 @@ that entry eager. A graph keeps its scratch (the factored statistics, at most
 launches, each stream's in blocks of its own) in its private memory pool for as long as it
 lives.
 
-Why it stays opt-in (H200, ``docs/results/h200-2026-11-30-graphs/``). In a
-GPT-2-small-shaped training loop with ``set_to_none=True`` (``scripts/graph_replay_rate.py``,
-149 tensors) 37 of 40 steady steps replayed, and the host time of ``opt.step()`` fell by 0.8 to
+Why it stays opt-in (H200). In a GPT-2-small-shaped training loop with ``set_to_none=True``
+(149 tensors) 37 of 40 steady steps replayed, and the host time of ``opt.step()`` fell by 0.8 to
 2.0 ms in four runs, but the step time measured after a sync moved by -0.8 to +0.3 ms: the
 steady step's checks precede its kernels in both modes, and after them replay saves the
 launches' issue time, which eager launches largely hide behind the kernels' own run. The

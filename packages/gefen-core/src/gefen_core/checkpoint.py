@@ -1,4 +1,5 @@
-"""The native checkpoint format: build, stage, validate, commit (ALGORITHM.md §2).
+"""The native checkpoint format: build, stage, validate, commit
+(docs/algorithm.md#checkpoint-format).
 
 Layout (docs/internals/contracts.md): torch's ``{"state": {i: ...}, "param_groups": [...]}``
 plus ``gefen_meta`` at the top level and mirrored into every group, because distributed
@@ -142,7 +143,8 @@ def _same_meta(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 
 def check_codebook(codebook: Any) -> None:
-    """§2.2: fp32, 1-D, 256 entries, finite, non-decreasing, exactly -1 first and +1 last."""
+    """docs/algorithm.md#checkpoint-format: fp32, 1-D, 256 entries, finite, non-decreasing, exactly
+    -1 first and +1 last."""
     if not isinstance(codebook, Tensor):
         raise _err(f"codebook must be a tensor, got {type(codebook).__name__}")
     if codebook.dtype != torch.float32 or codebook.ndim != 1 or codebook.numel() != 256:
@@ -238,8 +240,8 @@ def _stage_entry(entry: Any, p: Tensor, name: str, capturable: bool) -> dict[str
             raise _err(f"state[{name!r}] factored statistics need exp_avg_sq_step")
     else:
         tensors["exp_avg_sq"] = _fp32_stat(entry, "exp_avg_sq", (blocks, 1), name)
-    # A per-block second moment without its own age comes from old checkpoints: §2.3 backfills
-    # it from the momentum age.
+    # A per-block second moment without its own age comes from old checkpoints:
+    # docs/algorithm.md#checkpoint-format backfills it from the momentum age.
     sq_step = _counter(entry["exp_avg_sq_step"], "exp_avg_sq_step", name) \
         if "exp_avg_sq_step" in keys else step
     counter_device = p.device if capturable else torch.device("cpu")
@@ -253,7 +255,8 @@ def _stage_entry(entry: Any, p: Tensor, name: str, capturable: bool) -> dict[str
 
 
 def _pack_legacy_layout(opt: Gefen, saved_groups: list[Any]) -> list[Any]:
-    """§2.2 step 6: one saved group per parameter packed into the live groups."""
+    """docs/algorithm.md#checkpoint-format: one saved group per parameter packed into the live
+    groups."""
     live_counts = [len(g["params"]) for g in opt.param_groups]
     if len(saved_groups) == len(live_counts):
         return saved_groups
@@ -300,8 +303,9 @@ def stage_load(opt: Gefen, sd: Mapping[str, Any]) -> Staged:
     from .legacy import convert_legacy_state_dict, is_legacy_state_dict
 
     if is_legacy_state_dict(sd):
-        # §1.15: an untagged old checkpoint loads under the live deterministic flag; when both
-        # second moments were saved (O8) keep the one the live optimizer uses.
+        # docs/algorithm.md#deterministic: an untagged old checkpoint loads under the live
+        # deterministic flag; when both second moments were saved (O8) keep the one the live
+        # optimizer uses.
         sd = convert_legacy_state_dict(
             sd, deterministic_if_untagged=opt._deterministic,
             prefer_factored=all(g["factored_v_2d"] for g in opt.param_groups))
@@ -313,7 +317,8 @@ def stage_load(opt: Gefen, sd: Mapping[str, Any]) -> Staged:
     if not isinstance(saved_groups, list) or not all(isinstance(g, Mapping) for g in saved_groups):
         raise _err("'param_groups' must be a list of dicts")
 
-    # Optimizer-level metadata: every group mirrors it; all copies must agree (§2.2 step 3).
+    # Optimizer-level metadata: every group mirrors it; all copies must agree
+    # (docs/algorithm.md#checkpoint-format).
     in_groups = [META_KEY in g for g in saved_groups]
     if any(in_groups) and not all(in_groups):
         raise _err(f"{META_KEY} is present in some parameter groups but not all")

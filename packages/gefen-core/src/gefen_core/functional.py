@@ -1,13 +1,14 @@
 """Functional Gefen step over lists of tensors (the ``torch.optim`` functional layer).
 
 :func:`gefen` steps already-initialised parameters: it advances the counters, computes the
-bias corrections (§1.10 step 2 / §1.11 step 2) and calls one fused op per tensor from
-``gefen_kernels``. It owns no math of its own: the per-tensor update (second-moment EMA,
-decoupled decay, momentum EMA on the dequantized codes, re-quantization, parameter write) is
-``gefen_kernels.ops.block_step`` / ``factored_step``. Period search and codebook learning
-belong to :class:`gefen_core.Gefen`.
+bias corrections (docs/algorithm.md#block-second-moment step 2,
+docs/algorithm.md#factored-second-moment step 2) and calls one fused op per tensor from
+``gefen_kernels``. It owns no math of its own: the per-tensor update (second-moment EMA, decoupled
+decay, momentum EMA on the dequantized codes, re-quantization, parameter write) is
+``gefen_kernels.ops.block_step`` / ``factored_step``. Period search and codebook learning belong to
+:class:`gefen_core.Gefen`.
 
-Three implementations share one keyword-only signature (STYLE.md item 8):
+Three implementations share one keyword-only signature:
 
 * :func:`_single_tensor_gefen` — the reference ops, one tensor at a time;
 * :func:`_foreach_gefen` — the reference ops, with counters and bias corrections batched;
@@ -53,7 +54,8 @@ def gefen(
     differentiable: bool = False,
     factored_stats: Sequence[tuple[Tensor, int] | None] | None = None,
 ) -> None:
-    r"""One Gefen step for a list of initialised parameters (§1.10, §1.11).
+    r"""One Gefen step for a list of initialised parameters (docs/algorithm.md#block-second-moment,
+    docs/algorithm.md#factored-second-moment).
 
     Entry ``i`` is in block mode when ``exp_avg_sqs[i]`` is a tensor (then
     ``exp_avg_sq_rows[i]`` and ``exp_avg_sq_cols[i]`` are ``None``) and in factored mode
@@ -72,9 +74,9 @@ def gefen(
         codebook: fp32 ``[256]`` on the parameters' device.
         lr: learning rate, float or 1-element tensor.
         beta1, beta2, eps, weight_decay, maximize: as in :class:`gefen_core.Gefen`.
-        stochastic_round: stochastic instead of nearest rounding of the codes (§1.9).
-        seeds: one already-salted signed 64-bit seed per tensor (O7); required with
-            ``stochastic_round`` unless ``capturable``.
+        stochastic_round: stochastic instead of nearest rounding of the codes
+        (docs/algorithm.md#stochastic-rounding). seeds: one already-salted signed 64-bit seed per
+            tensor (O7); required with ``stochastic_round`` unless ``capturable``.
         seed_tensors: int64 ``[1]`` device seeds per tensor (capturable).
         foreach, fused: implementation choice; ``fused`` wins, then ``foreach``, else the
             for-loop. :class:`gefen_core.Gefen` resolves ``None`` per tensor before calling.
@@ -84,7 +86,8 @@ def gefen(
             shard of a larger matrix, ``(stats, global_rows)``: the shard's
             ``gefen_kernels.ops.factored_step.factored_partial_stats`` with its column sums
             and ``sum(r')`` already summed over every shard, and the global row count
-            (§1.11 on the global matrix; the factored op's ``stats`` argument).
+            (docs/algorithm.md#factored-second-moment on the global matrix; the factored op's
+            ``stats`` argument).
 
     Raises:
         RuntimeError: ``differentiable=True``, or ``fused`` and ``foreach`` both true.
@@ -121,8 +124,8 @@ def gefen(
 
 
 def _host_lr(lr: float | Tensor) -> float:
-    # The class hands a cached Python float for tensor lrs (one read per lr change, §1.17);
-    # direct functional callers with a tensor pay one read here.
+    # The class hands a cached Python float for tensor lrs (one read per lr change,
+    # docs/algorithm.md#step); direct functional callers with a tensor pay one read here.
     return float(lr.item()) if isinstance(lr, Tensor) else float(lr)
 
 
@@ -130,7 +133,8 @@ def _host_scalars(
     t: float, tv: float, *, lr: float, beta1: float, beta2: float, weight_decay: float,
     factored: bool,
 ) -> dict[str, float]:
-    """Bias corrections and decay in fp64 on the host (§1.10 step 2, §1.11 step 2)."""
+    """Bias corrections and decay in fp64 on the host (docs/algorithm.md#block-second-moment step 2,
+    docs/algorithm.md#factored-second-moment step 2)."""
     bc1_recip = 1.0 / (1.0 - beta1 ** t)
     b2 = 1.0 - beta2 ** tv
     out = {"lr": lr, "bc1_recip": bc1_recip, "decay": 1.0 - lr * weight_decay}
@@ -145,8 +149,9 @@ def _device_hyper(
     step: Tensor, sq_step: Tensor, *, lr: float | Tensor, beta1: float, beta2: float,
     weight_decay: float, factored: bool,
 ) -> Tensor:
-    """The capturable 4-float buffer ``[lr, bc2, bc1_recip, decay]`` computed on device (§1.16):
-    ``1 - beta**t`` in fp64 on device, reciprocal/root in fp64, rounded to fp32 on write."""
+    """The capturable 4-float buffer ``[lr, bc2, bc1_recip, decay]`` computed on device
+    (docs/algorithm.md#capturable): ``1 - beta**t`` in fp64 on device, reciprocal/root in fp64,
+    rounded to fp32 on write."""
     t = step.to(torch.float64)
     tv = sq_step.to(torch.float64)
     bc1_recip = 1.0 / (1.0 - torch.pow(beta1, t))
@@ -179,7 +184,8 @@ def _apply(
     maximize: bool, stochastic_round: bool, seed: int, seed_tensor: Tensor | None,
     stats: tuple[Tensor, int] | None = None,
 ) -> None:
-    # The ops need the logical row-major order in contiguous memory (§0.3, §1.13).
+    # The ops need the logical row-major order in contiguous memory (docs/algorithm.md#state-layout,
+    # docs/algorithm.md#step).
     work = param if param.is_contiguous() else param.contiguous()
     g = grad if grad.is_contiguous() else grad.contiguous()
     common: dict[str, Any] = dict(

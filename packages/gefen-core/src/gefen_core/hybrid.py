@@ -1,4 +1,4 @@
-"""GefenMuonHybrid: one optimizer for a whole model (ALGORITHM.md §5).
+"""GefenMuonHybrid: one optimizer for a whole model (docs/algorithm.md#hybrid).
 
 Hidden 2-D weight matrices get :class:`~gefen_core.muon.GefenMuon`; everything else
 (embeddings, heads, norms, biases, convolution kernels, zero-size tensors) gets a backup
@@ -31,7 +31,8 @@ from .routing import NamedParams, split_params_for_muon, validate_split
 
 __all__ = ["HYBRID_FORMAT_VERSION", "GefenMuonHybrid"]
 
-#: Version tag of the nested checkpoint (§5.5); loads of other versions are refused.
+#: Version tag of the nested checkpoint (docs/algorithm.md#hybrid); loads of other versions are
+#: refused.
 HYBRID_FORMAT_VERSION = 1
 BACKUP_OPTIMIZERS = ("gefen", "adamw")
 _VERSION_KEY = "hybrid_format_version"
@@ -106,14 +107,15 @@ class _RoutedState(MutableMapping[Any, Any]):
 
 
 class GefenMuonHybrid(Optimizer):
-    r"""GefenMuon on hidden matrices plus a Gefen or AdamW backup, as one optimizer (§5).
+    r"""GefenMuon on hidden matrices plus a Gefen or AdamW backup, as one optimizer
+    (docs/algorithm.md#hybrid).
 
-    Routing (§5.2, :func:`~gefen_core.routing.split_params_for_muon`): frozen parameters are
-    skipped; embedding tables (by identity, so a tied LM head is included), every non-2-D or
-    zero-size tensor, and matrices whose name contains ``embed``, ``wte``, ``wpe``,
+    Routing (docs/algorithm.md#hybrid, :func:`~gefen_core.routing.split_params_for_muon`): frozen
+    parameters are skipped; embedding tables (by identity, so a tied LM head is included), every
+    non-2-D or zero-size tensor, and matrices whose name contains ``embed``, ``wte``, ``wpe``,
     ``lm_head``, ``classifier`` or ``score`` go to the backup; the other matrices to Muon.
 
-    Constructor forms (§5.1):
+    Constructor forms (docs/algorithm.md#hybrid):
 
     1. ``GefenMuonHybrid(muon_named, backup_named, lr=...)`` — two lists of
        ``(name, tensor)`` pairs (either may be empty, not both);
@@ -366,7 +368,8 @@ class GefenMuonHybrid(Optimizer):
     @classmethod
     def from_model(cls, model: nn.Module, *, backup_substrings: Iterable[str] | None = None,
                    **kwargs: Any) -> GefenMuonHybrid:
-        """Build from a model with :func:`split_params_for_muon` (form 4 of §5.1)."""
+        """Build from a model with :func:`split_params_for_muon` (form 4 of
+        docs/algorithm.md#hybrid)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"from_model needs an nn.Module, got {type(model).__name__}")
         return cls(model, backup_substrings=backup_substrings, **kwargs)
@@ -400,7 +403,7 @@ class GefenMuonHybrid(Optimizer):
         raise TypeError("GefenMuonHybrid.state cannot be assigned; use load_state_dict")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported: each parameter's half is fixed at construction (§5.4).
+        """Not supported: each parameter's half is fixed at construction (docs/algorithm.md#hybrid).
 
         Raises:
             NotImplementedError: always; build a new hybrid (or add the group to
@@ -449,7 +452,7 @@ class GefenMuonHybrid(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One step of both halves (§5.4).
+        """One step of both halves (docs/algorithm.md#hybrid).
 
         Order: closure (gradients enabled); the structural checks of both halves (including
         the Muon 2-D check) before anything is mutated; one AMP decision (an overflow skips
@@ -535,7 +538,7 @@ class GefenMuonHybrid(Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The nested checkpoint of §5.5::
+        """The nested checkpoint of docs/algorithm.md#hybrid::
 
             {"muon": <GefenMuon state_dict or None>, "backup": <Gefen/AdamW state_dict or None>,
              "backup_optimizer": "gefen" | "adamw", "hybrid_format_version": 1}
@@ -555,7 +558,7 @@ class GefenMuonHybrid(Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a nested checkpoint into both halves, all-or-nothing (§5.5).
+        """Load a nested checkpoint into both halves, all-or-nothing (docs/algorithm.md#hybrid).
 
         Both halves are staged and validated (the AdamW half on a shadow optimizer, because
         torch's own load is not fail-before-mutation) before either is committed; the

@@ -1,11 +1,11 @@
 """Import of checkpoints written by the published ``gefen`` 1.2.x and ``gefen-x`` 0.5.x.
 
 Both earlier releases install the import name ``gefen`` and save ``Gefen.state_dict()`` in
-the reference vocabulary of ALGORITHM.md §2.1 (``m_codebook``, ``m_magnitude``, ``vmean``,
-``automatic_period``, ``beta1``/``beta2``, ...). :func:`convert_legacy_state_dict` rewrites
-such a dict into the native format of ``docs/internals/contracts.md`` ("The native checkpoint
-format"); ``Gefen.load_state_dict`` calls it when :func:`is_legacy_state_dict` says so and then
-validates the result like any other checkpoint. ``docs/migration.md`` describes both legacy
+the reference vocabulary of docs/algorithm.md#legacy-import (``m_codebook``, ``m_magnitude``,
+``vmean``, ``automatic_period``, ``beta1``/``beta2``, ...). :func:`convert_legacy_state_dict`
+rewrites such a dict into the native format of ``docs/internals/contracts.md`` ("The native
+checkpoint format"); ``Gefen.load_state_dict`` calls it when :func:`is_legacy_state_dict` says so
+and then validates the result like any other checkpoint. ``docs/migration.md`` describes both legacy
 layouts key by key and how users migrate.
 """
 
@@ -27,13 +27,14 @@ NATIVE_FORMAT_VERSION = 1
 _TOP_CODEBOOK = "gefen_codebook"
 _TOP_GLOBAL_STEP = "gefen_global_step"
 _TOP_DETERMINISTIC = "gefen_deterministic"
-_TOP_MUON_DISTRIBUTED = "gefen_muon_distributed"  # GefenMuon distributed manifest (§4.9)
+# GefenMuon distributed manifest (docs/algorithm.md#legacy-import)
+_TOP_MUON_DISTRIBUTED = "gefen_muon_distributed"
 _LEGACY_TOP_KEYS = (_TOP_CODEBOOK, _TOP_GLOBAL_STEP, _TOP_DETERMINISTIC, _TOP_MUON_DISTRIBUTED)
 
 # gefen-x 0.5.x mirrors the optimizer-level values into every group under this key.
 _GROUP_METADATA = "_gefen_checkpoint_metadata"
-_RANK_LOCAL_MARKER = "rank_local_sharded_state"  # §2.4, format_version 3
-_MUON_DISTRIBUTED_MARKER = "muon_distributed_state"  # §4.9
+_RANK_LOCAL_MARKER = "rank_local_sharded_state"  # docs/algorithm.md#legacy-import, format_version 3
+_MUON_DISTRIBUTED_MARKER = "muon_distributed_state"  # docs/algorithm.md#legacy-import
 _RANK_LOCAL_PAYLOAD_PREFIX = "_gefen_rank_local_payload_"
 _RANK_LOCAL_MEMBER = "_gefen_rank_local_member"
 _RANK_LOCAL_PAYLOAD_FORMAT = "rank_local_dtensor_v2"
@@ -41,7 +42,7 @@ _RANK_LOCAL_PAYLOAD_FORMAT = "rank_local_dtensor_v2"
 _PLAIN_FORMAT_VERSIONS = (1, 2)
 _RANK_LOCAL_FORMAT_VERSION = 3
 
-# Per-parameter state renames (§2.1 key naming).
+# Per-parameter state renames (docs/algorithm.md#legacy-import key naming).
 _TENSOR_RENAMES = {
     "m_codebook": "exp_avg_codes",
     "m_magnitude": "exp_avg_scale",
@@ -109,10 +110,10 @@ def is_legacy_state_dict(sd: Any) -> bool:
     ``beta1``/``beta2`` or ``_gefen_checkpoint_metadata``; or a per-parameter state entry with a
     reference key (``m_codebook``, ``m_magnitude``, ``vmean``, ``vmean_step``, ``v_row``,
     ``v_col``, ``factored_step``, ``automatic_period``, ``period_one_divisor``) or a rank-local
-    payload key (§2.4). Rank-local and distributed-Muon checkpoints count as legacy here so the
-    loader routes them to :func:`convert_legacy_state_dict`, which imports a one-rank payload
-    and refuses the rest with an explanation. Never raises; anything that is not a mapping is
-    not legacy.
+    payload key (docs/algorithm.md#legacy-import). Rank-local and distributed-Muon checkpoints count
+    as legacy here so the loader routes them to :func:`convert_legacy_state_dict`, which imports a
+    one-rank payload and refuses the rest with an explanation. Never raises; anything that is not a
+    mapping is not legacy.
 
     Args:
         sd: the object handed to ``load_state_dict``.
@@ -158,7 +159,7 @@ def convert_legacy_state_dict(
     the parameters' devices. Values are preserved exactly: every mapping below is a rename, an
     exact widening or an exact replication.
 
-    Per-parameter state (``state[i]``; ALGORITHM.md §1.5, §2.1 -> contracts.md):
+    Per-parameter state (``state[i]``; docs/algorithm.md#legacy-import -> contracts.md):
 
     * ``automatic_period`` (int) -> ``period`` (int).
     * ``step`` (int; a 0-dim tensor under ``capturable``) -> ``step``, 0-dim fp32 CPU tensor.
@@ -168,7 +169,8 @@ def convert_legacy_state_dict(
     * ``v_row`` / ``v_col`` (fp32 ``[R]`` / ``[C]``) -> ``exp_avg_sq_row`` / ``exp_avg_sq_col``.
     * ``vmean_step`` or ``factored_step`` -> ``exp_avg_sq_step``, 0-dim fp32 CPU tensor;
       ``vmean`` without ``vmean_step`` (gefen 1.2.x had one counter) -> ``exp_avg_sq_step =
-      step`` (the §1.10 backfill: the same bias correction as the package used).
+      step`` (the docs/algorithm.md#block-second-moment backfill: the same bias correction as the
+      package used).
     * ``name``, ``m_codebook_shape``, ``parameter_shape``, ``period_one_divisor`` and leaked
       step scratch (``stepsize``, ``_h_buf``, ``_capt_*``) are dropped; the name lives on in
       the group's ``param_names``.
@@ -179,17 +181,17 @@ def convert_legacy_state_dict(
 
     * gefen 1.2.x stored ``m_magnitude`` and ``vmean`` in the gradient's dtype (bf16/fp16
       for half-precision gradients); they are widened to fp32, which is exact.
-    * gefen 1.2.x, ``automatic_period == 1`` with ``period_one_divisor = d`` (§1.7.5): one
-      momentum scale per ``d`` consecutive elements, ``m_magnitude`` ``[N/d, 1]``. The native
-      format has one scale per block, so the scale is replicated to ``[N, 1]``
-      (``repeat_interleave(d)``, exactly what 1.2.x did before using it); the dequantised
-      momentum ``c[q_i] * s_i`` is bit-identical. From the next step on the native optimizer
-      keeps that parameter's momentum per element (lossless at ``P = 1``) instead of
+    * gefen 1.2.x, ``automatic_period == 1`` with ``period_one_divisor = d``
+      (docs/algorithm.md#legacy-import): one momentum scale per ``d`` consecutive elements,
+      ``m_magnitude`` ``[N/d, 1]``. The native format has one scale per block, so the scale is
+      replicated to ``[N, 1]`` (``repeat_interleave(d)``, exactly what 1.2.x did before using it);
+      the dequantised momentum ``c[q_i] * s_i`` is bit-identical. From the next step on the native
+      optimizer keeps that parameter's momentum per element (lossless at ``P = 1``) instead of
       re-quantising it against a shared group scale.
     * Both second moments present (a gefen-x 0.5.x run that toggled ``factored_v_2d``,
       Open choice O8): the factored pair is kept when ``prefer_factored`` (else ``vmean``);
       the other is dropped. If the live optimizer uses the other mode it recreates that
-      second moment with a fresh age at the next step (§2.3).
+      second moment with a fresh age at the next step (docs/algorithm.md#legacy-import).
 
     Parameter groups:
 
@@ -197,15 +199,15 @@ def convert_legacy_state_dict(
       ``weight_decay``, ``name``, ``param_names``, ``param_names_synthesized``, user extras)
       is kept. gefen 1.2.x groups (one per parameter, with ``name``) also get
       ``param_names = [name]``; the one-group-per-parameter layout itself is kept and the
-      loader packs it into the live groups (§2.2 step 6).
+      loader packs it into the live groups (docs/algorithm.md#legacy-import).
     * ``_gefen_checkpoint_metadata`` (gefen-x 0.5.x) is removed; its ``format_version``,
       ``global_step``, ``codebook``, ``deterministic`` are cross-checked with the top level
       (and with every other group); ``device_anchor`` is dropped.
 
-    FSDP2 checkpoints of gefen-x 0.5.x (the rank-local form of §2.4: the first state entry
-    holds ``_gefen_rank_local_payload_<r>``, a uint8 tensor of ``torch.save`` bytes per rank,
-    the others ``_gefen_rank_local_member``; group metadata ``format_version`` 3): a one-rank
-    payload is unpacked (``torch.load(..., weights_only=True)``) and imported like a plain
+    FSDP2 checkpoints of gefen-x 0.5.x (the rank-local form of docs/algorithm.md#legacy-import: the
+    first state entry holds ``_gefen_rank_local_payload_<r>``, a uint8 tensor of ``torch.save``
+    bytes per rank, the others ``_gefen_rank_local_member``; group metadata ``format_version`` 3): a
+    one-rank payload is unpacked (``torch.load(..., weights_only=True)``) and imported like a plain
     checkpoint, since on a one-device mesh every local shard is the whole tensor; its states
     map to the saved ids in order, checked against the groups' ``param_names``. Payloads of
     several ranks are refused (one codebook and block geometry per shard).
@@ -214,9 +216,9 @@ def convert_legacy_state_dict(
     the group metadata become ``gefen_meta = {"format_version": 1, "global_step": int,
     "codebook": fp32 [256] or None, "deterministic": bool}``, at the top level and mirrored
     into every group. A checkpoint without a deterministic tag (gefen 1.2.x had no such
-    option) gets ``deterministic_if_untagged``: §1.15 loads untagged checkpoints under the
-    live optimizer's value, so the loader passes its own flag. Unknown top-level keys are
-    kept.
+    option) gets ``deterministic_if_untagged``: docs/algorithm.md#deterministic loads untagged
+    checkpoints under the live optimizer's value, so the loader passes its own flag. Unknown
+    top-level keys are kept.
 
     Args:
         sd: the legacy state dict (as returned by ``torch.load``; ``weights_only=True`` works
@@ -234,12 +236,12 @@ def convert_legacy_state_dict(
         LegacyCheckpointError: (a ``ValueError``) the input cannot be imported, raised
             before anything is built: not a dict with
             ``state`` and ``param_groups``; a rank-local FSDP2 payload of more than one rank
-            (§2.4: one serialized state per rank, each with its own codebook and block
-            geometry), or an unreadable or inconsistent one-rank payload;
-            a distributed GefenMuon manifest (§4.9) or GefenMuon (``normuon_*``) state;
-            metadata with an unknown ``format_version`` or inconsistent copies; a counter
-            that is not a non-negative integer; a period that is not a positive int; an
-            inconsistent ``period_one_divisor``; momentum codes without a codebook; state
+            (docs/algorithm.md#legacy-import: one serialized state per rank, each with its own
+            codebook and block geometry), or an unreadable or inconsistent one-rank payload;
+            a distributed GefenMuon manifest (docs/algorithm.md#legacy-import) or GefenMuon
+            (``normuon_*``) state; metadata with an unknown ``format_version`` or inconsistent
+            copies; a counter that is not a non-negative integer; a period that is not a positive
+            int; an inconsistent ``period_one_divisor``; momentum codes without a codebook; state
             keys that neither release writes; a dict that mixes native and legacy keys.
     """
     _check_container(sd)
@@ -319,7 +321,7 @@ def _refuse_unimportable(sd: Mapping[str, Any], groups: Any, state: Mapping[Any,
     if muon_distributed:
         raise _err(
             "this carries a distributed GefenMuon manifest "
-            "(muon_distributed_state / gefen_muon_distributed, ALGORITHM.md §4.9); it is "
+            "(muon_distributed_state / gefen_muon_distributed); it is "
             "GefenMuon state, not Gefen state, and is not imported by gefen_core.Gefen"
         )
     for sid, e in state.items():
@@ -349,7 +351,8 @@ def _is_rank_local(groups: Any, state: Mapping[Any, Any]) -> bool:
 
 
 def _unwrap_single_rank(sd: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A gefen-x 0.5.x rank-local payload (§2.4) of world size 1 as a plain legacy dict.
+    """A gefen-x 0.5.x rank-local payload (docs/algorithm.md#legacy-import) of world size 1 as a
+    plain legacy dict.
 
     With one rank, ``Shard(0)`` on a one-device mesh makes every local shard the whole tensor,
     so that rank's states, codebook and block geometry are exactly a single optimizer's. More
@@ -373,7 +376,7 @@ def _unwrap_single_rank(sd: Mapping[str, Any]) -> Mapping[str, Any]:
     if sizes != {1} or list(blobs) != [f"{_RANK_LOCAL_PAYLOAD_PREFIX}0"]:
         shown = sorted(map(str, sizes))
         raise _err(
-            "this is a rank-local FSDP2 payload written by gefen-x 0.5.x (ALGORITHM.md §2.4) "
+            "this is a rank-local FSDP2 payload written by gefen-x 0.5.x "
             f"for world size {', '.join(shown)} with payloads {sorted(blobs)}: each rank learned "
             "its own codebook and block geometry for its local shards, which a single "
             "optimizer cannot hold. " + _RANK_LOCAL_FIX
@@ -607,7 +610,8 @@ def _convert_entry(sid: Any, entry: Any, prefer_factored: bool) -> dict[str, Any
 
 
 def _expand_group_scale(entry: Mapping[str, Any], scale: Tensor, where: str) -> Tensor:
-    """gefen 1.2.x's P = 1 scale groups (§1.7.5) replicated to one scale per element."""
+    """gefen 1.2.x's P = 1 scale groups (docs/algorithm.md#legacy-import) replicated to one scale
+    per element."""
     d = entry["period_one_divisor"]
     codes = entry.get("m_codebook")
     if not isinstance(d, int) or isinstance(d, bool) or d < 1:

@@ -1,4 +1,4 @@
-"""GefenMuon: Muon with Gefen's ~1 byte/param quantized momentum (ALGORITHM.md §4).
+"""GefenMuon: Muon with Gefen's ~1 byte/param quantized momentum (docs/algorithm.md#gefenmuon).
 
 Muon keeps an fp32 momentum matrix per weight (4 bytes/param) and steps along its
 Newton–Schulz orthogonalisation. GefenMuon stores that momentum the way Gefen stores its first
@@ -6,7 +6,7 @@ moment — uint8 codes into one learned 256-entry codebook times one fp32 scale 
 ``P`` elements — and keeps no second moment. Internally it *is* a :class:`~gefen_core.Gefen`
 with ``betas = (momentum, 0)``, ``eps`` = the Newton–Schulz eps and block state, so parameter
 groups, names, codebook learning, period search, the AMP protocol and the checkpoint format
-are Gefen's; this module adds the Muon pipeline of §4.3 and its options.
+are Gefen's; this module adds the Muon pipeline of docs/algorithm.md#gefenmuon and its options.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import _amp, _compiled_step, _muon_update, _params
+from ._seeds import mix_seed, name_salt
 from .newton_schulz import (
     DEFAULT_NS_STEPS,
     STANDARD_COEFFICIENTS,
@@ -29,7 +30,6 @@ from .newton_schulz import (
     plan_ns_batches,
     resolve_ns_schedule,
 )
-from ._seeds import mix_seed, name_salt
 from .optimizer import Gefen
 
 __all__ = [
@@ -41,14 +41,16 @@ __all__ = [
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 SHARDED_MODES = ("exact", "distributed", "approx")
-#: Per-parameter NorMuon state (§4.2), on top of Gefen's ``step``/``period``/codes/scale.
+#: Per-parameter NorMuon state (docs/algorithm.md#gefenmuon), on top of Gefen's
+#: ``step``/``period``/codes/scale.
 NORMUON_STATE_KEYS = ("normuon_exp_avg_sq", "normuon_step")
 _DEFAULT_WORKSPACE = 256 << 20
-# Batched Newton–Schulz eligibility (§4.4, Appendix A).
+# Batched Newton–Schulz eligibility (docs/algorithm.md#gefenmuon).
 _BATCH_MAX_MIN_DIM = 512
 _BATCH_MAX_NUMEL = 1 << 20
 _BATCH_MIN = 8
-# Gefen options whose Muon value is fixed (§4.1: no force gates, block state, no betas).
+# Gefen options whose Muon value is fixed (docs/algorithm.md#gefenmuon: no force gates, block state,
+# no betas).
 _PINNED = {
     "factored_v_2d": False,
     "force_1d_period_one": False,
@@ -81,7 +83,8 @@ def _newton_schulz(x: Tensor, schedule: Sequence[Any], **options: Any) -> Tensor
 
 
 def adjusted_lr_ratio(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
-    """The factor ``α(R, C)`` multiplying the lr of a ``R × C`` matrix's update (§4.6).
+    """The factor ``α(R, C)`` multiplying the lr of a ``R × C`` matrix's update
+    (docs/algorithm.md#gefenmuon).
 
     ``None``/``"original"``: ``sqrt(max(1, R / C))`` (Muon's native scale, lr in units of
     spectral norm per update); ``"match_rms_adamw"``: ``0.2 · sqrt(max(R, C))``, which makes the
@@ -101,8 +104,8 @@ def _is_real(x: Any) -> bool:
 
 
 def check_muon_options(group: Mapping[str, Any], where: str) -> None:
-    """Validate the Muon keys of one complete group (§4.1). ``ns_coefficients`` must already
-    be a resolved list of triples whose length is ``ns_steps``."""
+    """Validate the Muon keys of one complete group (docs/algorithm.md#gefenmuon).
+    ``ns_coefficients`` must already be a resolved list of triples whose length is ``ns_steps``."""
     m = group["momentum"]
     if not _is_real(m):
         raise TypeError(f"{where}: momentum must be a float, got {type(m).__name__}")
@@ -154,7 +157,8 @@ def _not_a_matrix_at_construction(where: str, index: int, name: str | None,
 
 
 class GefenMuon(Gefen):
-    r"""Muon with Gefen's quantized momentum: ~1 byte of state per parameter (§4).
+    r"""Muon with Gefen's quantized momentum: ~1 byte of state per parameter
+    (docs/algorithm.md#gefenmuon).
 
     .. math::
        \begin{aligned}
@@ -181,12 +185,13 @@ class GefenMuon(Gefen):
     ``round_c`` is the nearest codeword (or unbiased stochastic rounding). ``α(R, C)`` is
     ``sqrt(max(1, R/C))`` (``adjust_lr_fn=None``/``"original"``) or ``0.2·sqrt(max(R, C))``
     (``"match_rms_adamw"``), from the global shape; weight decay uses the un-adjusted ``γ``.
-    Newton–Schulz drives every singular value of ``U / ‖U‖_F`` into a band around 1 (§4.4),
-    so the update is roughly the nearest semi-orthogonal matrix. The momentum EMA runs in
-    fp32 (decision O10); the Nesterov look-ahead and the NS input are in the gradient dtype.
+    Newton–Schulz drives every singular value of ``U / ‖U‖_F`` into a band around 1
+    (docs/algorithm.md#gefenmuon), so the update is roughly the nearest semi-orthogonal matrix. The
+    momentum EMA runs in fp32 (decision O10); the Nesterov look-ahead and the NS input are in the
+    gradient dtype.
 
-    NorMuon (§4.5) keeps a per-row EMA ``ν`` of ``‖O_r‖² / C``, divides each row by
-    ``sqrt(ν_r / (1 - β₂ⁿ^t)) + εⁿ`` and rescales so ``‖O‖_F`` is unchanged. Cautious masks
+    NorMuon (docs/algorithm.md#gefenmuon) keeps a per-row EMA ``ν`` of ``‖O_r‖² / C``, divides each
+    row by ``sqrt(ν_r / (1 - β₂ⁿ^t)) + εⁿ`` and rescales so ``‖O‖_F`` is unchanged. Cautious masks
     the entries whose sign disagrees with the gradient and rescales by
     ``numel / (kept + ...)``.
 
@@ -212,17 +217,17 @@ class GefenMuon(Gefen):
         {foreach}
         {capturable}
         {differentiable}
-        fused (bool, optional): run the momentum step (§3.8: quantized EMA, re-quantisation
-            and the dense momentum, one Triton launch per matrix for ``P <= 4096``) with the
-            Triton kernel of ``gefen_kernels.ops.muon_momentum`` on CUDA matrices of dtype
+        fused (bool, optional): run the momentum step (docs/algorithm.md#gefenmuon: quantized EMA,
+            re-quantisation and the dense momentum, one Triton launch per matrix for ``P <= 4096``)
+            with the Triton kernel of ``gefen_kernels.ops.muon_momentum`` on CUDA matrices of dtype
             fp32, bf16 or fp16; bit-identical to its PyTorch reference. ``None`` picks the
             kernel wherever it can run and the reference elsewhere (CPU, fp64, no Triton);
             ``False`` always runs the reference; ``True`` that cannot be honoured for some
             matrix raises ``RuntimeError`` at construction, as :class:`~gefen_core.Gefen`
             does (default: None)
         sharded_mode (str, optional): ``"exact"``, ``"distributed"`` or ``"approx"`` for
-            DTensor parameters (§4.8); plain tensors ignore it. The sharded modes need
-            collectives and run in ``gefen_dist.ShardedGefenMuon``; this class raises
+            DTensor parameters (docs/algorithm.md#distributed); plain tensors ignore it. The sharded
+            modes need collectives and run in ``gefen_dist.ShardedGefenMuon``; this class raises
             ``ValueError`` at ``step()`` for a DTensor parameter with a gradient
             (default: "exact")
         fp8_ns (bool, optional): fp8 Newton–Schulz where the GPU supports it (capability
@@ -359,7 +364,8 @@ class GefenMuon(Gefen):
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group of 2-D matrices; Muon options are validated with Gefen's (§4.1).
+        """Add a group of 2-D matrices; Muon options are validated with Gefen's
+        (docs/algorithm.md#gefenmuon).
 
         Raises:
             TypeError, ValueError: as the constructor, naming the group, before anything is
@@ -384,7 +390,7 @@ class GefenMuon(Gefen):
             if key in group and group[key] != pinned:
                 raise ValueError(
                     f"{where}: {key}={group[key]!r} is a Gefen option that GefenMuon fixes to "
-                    f"{pinned!r} (§4.1: block-quantized momentum, period search without gates)"
+                    f"{pinned!r} (block-quantized momentum, period search without gates)"
                 )
         self._resolve_group_ns(group, where)
         for key, default in self._muon_defaults.items():
@@ -429,7 +435,8 @@ class GefenMuon(Gefen):
 
     # ------------------------------------------------------------------ step
     def _check_matrices(self) -> None:
-        """Every registered parameter must still be a whole 2-D matrix (§4.1, §6.4)."""
+        """Every registered parameter must still be a whole 2-D matrix (docs/algorithm.md#gefenmuon,
+        docs/algorithm.md#distributed)."""
         for _, p, name in self._named_params():
             if p.ndim != 2:
                 raise ValueError(
@@ -441,21 +448,22 @@ class GefenMuon(Gefen):
                 )
 
     def _muon_preflight(self) -> list[Entry]:
-        """Structural checks of §4.7 before any mutation: 2-D shapes, Gefen's gradient checks,
-        and no DTensor parameter needing a sharded mode that is not built."""
+        """Structural checks of docs/algorithm.md#gefenmuon before any mutation: 2-D shapes, Gefen's
+        gradient checks, and no DTensor parameter needing a sharded mode that is not built."""
         self._check_matrices()
         entries = self._preflight()
         self._check_sharded(entries)
         return entries
 
     def _check_sharded(self, entries: list[Entry]) -> None:
-        """Refuse DTensor parameters: the sharded modes of §4.8 need collectives, which live in
-        ``gefen_dist.ShardedGefenMuon`` (it overrides this hook and the two below)."""
+        """Refuse DTensor parameters: the sharded modes of docs/algorithm.md#distributed need
+        collectives, which live in ``gefen_dist.ShardedGefenMuon`` (it overrides this hook and the
+        two below)."""
         for group, p, _, name in entries:
             if _is_dtensor(p):
                 raise ValueError(
                     f"GefenMuon: parameter {name!r} is a DTensor (FSDP2 / tensor parallel) and "
-                    f"needs sharded_mode={group['sharded_mode']!r} (ALGORITHM.md §4.8), which "
+                    f"needs sharded_mode={group['sharded_mode']!r}, which "
                     "runs in gefen_dist.ShardedGefenMuon (same arguments) or, for a whole "
                     "model, gefen_dist.ShardedGefenMuonHybrid. gefen_core.GefenMuon steps plain "
                     "tensors only (one process or DDP)"
@@ -463,7 +471,7 @@ class GefenMuon(Gefen):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one GefenMuon step (§4.7).
+        """Perform one GefenMuon step (docs/algorithm.md#gefenmuon).
 
         Args:
             closure (Callable, optional): re-evaluates the model and returns the loss; runs
@@ -496,7 +504,8 @@ class GefenMuon(Gefen):
             return loss
         overflow, inv_scale = _amp.overflow_and_inverse_scale(self)
         if overflow:
-            return loss  # §1.14: nothing learned, counted or touched; T unchanged.
+            # docs/algorithm.md#mixed-precision: nothing learned, counted or touched; T unchanged.
+            return loss
         if inv_scale is not None:
             _amp.unscale_([g for _, _, g, _ in entries], inv_scale)
         self._apply(entries)
@@ -504,8 +513,9 @@ class GefenMuon(Gefen):
         return loss
 
     def _prepare(self, entries: list[Entry]) -> list[Entry] | None:
-        """Codebook learning (§1.8) and first periods (§1.7): the entries to step, or ``None``
-        when the step must be skipped (non-finite gradients while learning the codebook)."""
+        """Codebook learning (docs/algorithm.md#codebook) and first periods
+        (docs/algorithm.md#period-search): the entries to step, or ``None`` when the step must be
+        skipped (non-finite gradients while learning the codebook)."""
         import warnings
 
         live = [e for e in entries if e[1].numel() > 0]
@@ -548,8 +558,9 @@ class GefenMuon(Gefen):
 
     def _step_groups(self, grouped: list[tuple[dict[str, Any], list[tuple[Tensor, Tensor, str]]]],
                      ) -> None:
-        """§4.3 for each group's ``(param, grad, name)`` items, in order, then the step count.
-        A traced step (docs/algorithm.md#compiled-stepping) groups its entries itself."""
+        """docs/algorithm.md#gefenmuon for each group's ``(param, grad, name)`` items, in order,
+        then the step count. A traced step (docs/algorithm.md#compiled-stepping) groups its entries
+        itself."""
         compiling = torch.compiler.is_compiling()
         for group, items in grouped:
             if not items:
@@ -579,7 +590,8 @@ class GefenMuon(Gefen):
 
     def _step_batched(self, group: dict[str, Any], items: list[tuple[Tensor, Tensor, str]],
                       lr: float | Tensor) -> list[tuple[Tensor, Tensor, str]]:
-        """Step the batchable matrices of a group (§4.4) and return the rest, in order."""
+        """Step the batchable matrices of a group (docs/algorithm.md#gefenmuon) and return the rest,
+        in order."""
         by_shape: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, str]]] = {}
         serial = []
         for p, g, name in items:
@@ -647,7 +659,8 @@ class GefenMuon(Gefen):
                 use_cautious=group["cautious"], capturable=capturable)
 
     def _momentum(self, p: Tensor, g: Tensor, name: str, group: dict[str, Any]) -> Tensor:
-        """§4.3 steps 1–3: the quantized EMA, its age, and the (Nesterov) dense momentum."""
+        """docs/algorithm.md#gefenmuon steps 1–3: the quantized EMA, its age, and the (Nesterov)
+        dense momentum."""
         state = self.state[p]
         dev = g.device
         step_dev = dev if group["capturable"] else torch.device("cpu")
@@ -663,14 +676,15 @@ class GefenMuon(Gefen):
             return buf * beta + grad * (1.0 - beta) if group["nesterov"] else buf.clone()
         period = state["period"]
         if "exp_avg_codes" not in state:
-            # The gradient's numel, not the parameter's: under approx sharding (§4.8) the
-            # pipeline runs on a DTensor's local shard.
+            # The gradient's numel, not the parameter's: under approx sharding
+            # (docs/algorithm.md#distributed) the pipeline runs on a DTensor's local shard.
             blocks = g.numel() // period
             state["step"] = torch.zeros((), dtype=torch.float32, device=step_dev)
             state["exp_avg_codes"] = torch.zeros(blocks, period, dtype=torch.uint8, device=dev)
             state["exp_avg_scale"] = torch.zeros(blocks, 1, dtype=torch.float32, device=dev)
         elif not group["capturable"]:
-            # A framework may have paged the parameter (§1.13): follow the gradient.
+            # A framework may have paged the parameter (docs/algorithm.md#step): follow the
+            # gradient.
             for key in ("exp_avg_codes", "exp_avg_scale", "normuon_exp_avg_sq"):
                 if key in state and state[key].device != dev:
                     state[key] = state[key].to(dev)
@@ -710,7 +724,8 @@ class GefenMuon(Gefen):
 
     def _finish(self, p: Tensor, g: Tensor, o: Tensor, group: dict[str, Any],
                 lr: float | Tensor) -> None:
-        """§4.3 steps 5–8: NorMuon, cautious masking, decoupled decay and the update."""
+        """docs/algorithm.md#gefenmuon steps 5–8: NorMuon, cautious masking, decoupled decay and the
+        update."""
         if torch.compiler.is_compiling():
             # One opaque op, so the compiled step rounds as the eager one
             # (docs/algorithm.md#compiled-stepping); a steady step has the NorMuon state.
@@ -726,7 +741,8 @@ class GefenMuon(Gefen):
         self._apply_update(p, self._post_ns(p, g, o, group), group, lr)
 
     def _post_ns(self, p: Tensor, g: Tensor, o: Tensor, group: dict[str, Any]) -> Tensor:
-        """§4.3 steps 5–6 on the matrix the pipeline ran on (NorMuon, cautious masking)."""
+        """docs/algorithm.md#gefenmuon steps 5–6 on the matrix the pipeline ran on (NorMuon,
+        cautious masking)."""
         if group["normuon"]:
             o = self._normuon(p, o, group)
         if group["cautious"]:
@@ -740,14 +756,15 @@ class GefenMuon(Gefen):
 
     def _apply_update(self, p: Tensor, o: Tensor, group: dict[str, Any],
                       lr: float | Tensor) -> None:
-        """§4.3 steps 7–8: decoupled decay, then ``θ ← θ − η·α(R, C)·O`` (α from the global
-        shape, §4.6) on :meth:`_update_target`'s tensor."""
+        """docs/algorithm.md#gefenmuon steps 7–8: decoupled decay, then ``θ ← θ − η·α(R, C)·O`` (α
+        from the global shape, docs/algorithm.md#gefenmuon) on :meth:`_update_target`'s tensor."""
         alpha = adjusted_lr_ratio(group["adjust_lr_fn"], p.shape)
         p, o = self._update_target(p, o)
         _muon_update.write_update(p, o, lr, group["weight_decay"], alpha)
 
     def _normuon(self, p: Tensor, o: Tensor, group: dict[str, Any]) -> Tensor:
-        """§4.5 per-row normalisation; keeps ``‖O‖_F`` (so ``adjust_lr_fn`` still holds)."""
+        """docs/algorithm.md#gefenmuon per-row normalisation; keeps ``‖O‖_F`` (so ``adjust_lr_fn``
+        still holds)."""
         state = self.state[p]
         if "normuon_exp_avg_sq" not in state:
             step_dev = o.device if group["capturable"] else torch.device("cpu")
@@ -760,7 +777,8 @@ class GefenMuon(Gefen):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Gefen's native checkpoint (contracts.md) plus the NorMuon state (§4.9)."""
+        """Gefen's native checkpoint (contracts.md) plus the NorMuon state
+        (docs/algorithm.md#distributed)."""
         from .checkpoint import build_state_dict
 
         for hook in self._optimizer_state_dict_pre_hooks.values():
@@ -784,7 +802,8 @@ class GefenMuon(Gefen):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a GefenMuon checkpoint, all-or-nothing (§2.2, §4.9).
+        """Load a GefenMuon checkpoint, all-or-nothing (docs/algorithm.md#checkpoint-format,
+        docs/algorithm.md#distributed).
 
         Gefen's staging validates the codes, scales, counters, codebook and groups; the Muon
         group options and the NorMuon state are validated here, before anything is

@@ -1,4 +1,4 @@
-"""Newton–Schulz orthogonalisation for Muon (ALGORITHM.md §4.4).
+"""Newton–Schulz orthogonalisation for Muon (docs/algorithm.md#gefenmuon).
 
 Muon replaces the momentum matrix ``U = A Σ Bᵀ`` by approximately ``A Bᵀ`` (its orthogonal
 polar factor). Each Newton–Schulz iteration applies the odd quintic
@@ -16,12 +16,12 @@ for exact convergence to 1, so the result lies in a known *band* around 1 (stand
 
 Everything here is plain ``torch.matmul`` (bf16 GEMMs with fp32 accumulation by default);
 the optional fp8 path uses ``torch._scaled_mm`` with row-wise scales and is gated by the
-hardware and by the matrix size (§4.4, measured break-even ``min(R, C) ≥ 1536``). Where the
-gate says no, the bf16 path runs instead, silently: the choice is a performance decision
-per matrix, not a change of algorithm.
+hardware and by the matrix size (docs/algorithm.md#gefenmuon, measured break-even ``min(R, C) ≥
+1536``). Where the gate says no, the bf16 path runs instead, silently: the choice is a performance
+decision per matrix, not a change of algorithm.
 
 References: Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/);
-the tuned schedules and the fp8 recipe are specified in ALGORITHM.md §4.4.
+the tuned schedules and the fp8 recipe are specified in docs/algorithm.md#gefenmuon.
 """
 
 from __future__ import annotations
@@ -55,11 +55,12 @@ Coefficients = tuple[float, float, float]
 STANDARD_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
 DEFAULT_NS_STEPS = 5
 #: A schedule (or ``ns_steps``) must be shorter than this: 0 iterations would silently turn
-#: Muon into normalised-momentum SGD, and ≥ 100 is never useful (§4.1).
+#: Muon into normalised-momentum SGD, and ≥ 100 is never useful (docs/algorithm.md#gefenmuon).
 MAX_NS_STEPS = 100
 
-#: Fixed schedules of §4.4 (least-squares fits on Gaussian matrices; robust for normalised
-#: singular values in [1e-2, 1]). "standard" is the single triple above, repeated ``ns_steps``.
+#: Fixed schedules of docs/algorithm.md#gefenmuon (least-squares fits on Gaussian matrices; robust
+#: for normalised singular values in [1e-2, 1]). "standard" is the single triple above, repeated
+#: ``ns_steps``.
 NS_SCHEDULES: dict[str, tuple[Coefficients, ...]] = {
     "tuned3": (
         (5.0067, -14.4125, 10.6001),
@@ -74,8 +75,9 @@ NS_SCHEDULES: dict[str, tuple[Coefficients, ...]] = {
     ),
 }
 
-#: fp8 gates (§4.4, Appendix A): fp8 GEMMs need compute capability ≥ 8.9; below this minimum
-#: dimension bf16 is faster. ``torch._scaled_mm`` also needs both dimensions divisible by 16.
+#: fp8 gates (docs/algorithm.md#gefenmuon): fp8 GEMMs need compute capability ≥ 8.9; below this
+#: minimum dimension bf16 is faster. ``torch._scaled_mm`` also needs both dimensions divisible by
+#: 16.
 FP8_MIN_CAPABILITY = (8, 9)
 FP8_MIN_DIM = 1536
 _E4M3_MAX = 448.0
@@ -84,7 +86,8 @@ _FP8_MIN_SCALE = 1e-12
 
 def _as_triple(entry: Any, where: str) -> Coefficients:
     if isinstance(entry, Tensor) or not isinstance(entry, Sequence) or isinstance(entry, str):
-        # ValueError, not TypeError: §4.1 specifies one error type for malformed schedules.
+        # ValueError, not TypeError: GefenMuon raises one error type for
+        # malformed schedules.
         raise ValueError(  # noqa: TRY004
             f"{where} must be a sequence of exactly 3 numbers (a, b, c), got {entry!r}"
         )
@@ -136,7 +139,8 @@ def resolve_ns_schedule(
     ns_coefficients: Sequence[float] | Sequence[Sequence[float]] = STANDARD_COEFFICIENTS,
     ns_steps: int = DEFAULT_NS_STEPS,
 ) -> tuple[Coefficients, ...]:
-    """Turn the user's Newton–Schulz options into the list of (a, b, c) iterations (§4.1, §4.4).
+    """Turn the user's Newton–Schulz options into the list of (a, b, c) iterations
+    (docs/algorithm.md#gefenmuon).
 
     Args:
         ns_schedule: ``None`` (use ``ns_coefficients``/``ns_steps``), ``"standard"``
@@ -224,8 +228,9 @@ def _fp8_iteration(x: Tensor, a: float, b: float, c: float) -> Tensor:
 
 @functools.lru_cache(maxsize=1)
 def _compiled_fp8_iteration() -> Callable[[Tensor, float, float, float], Tensor]:
-    # Eager fp8 is slower than bf16 (§4.4): the quantize/scale glue must fuse. Static shapes,
-    # no CUDA graphs (the optimizer may itself be captured or compiled by the caller).
+    # Eager fp8 is slower than bf16 (docs/algorithm.md#gefenmuon): the quantize/scale glue must
+    # fuse. Static shapes, no CUDA graphs (the optimizer may itself be captured or compiled by the
+    # caller).
     return torch.compile(_fp8_iteration, dynamic=False, mode="max-autotune-no-cudagraphs")
 
 
@@ -247,7 +252,8 @@ def newton_schulz(
     fp8: bool = False,
     fp8_compile: bool = True,
 ) -> Tensor:
-    """Orthogonalise ``x`` (approximately its polar factor) with Newton–Schulz (§4.4).
+    """Orthogonalise ``x`` (approximately its polar factor) with Newton–Schulz
+    (docs/algorithm.md#gefenmuon).
 
     Args:
         x: ``[R, C]`` matrix, or ``[n, R, C]`` stack of same-shaped matrices (each handled
@@ -336,7 +342,8 @@ def newton_schulz_opaque(
 
 
 def ns_workspace_bytes(rows: int, cols: int) -> int:
-    """Workspace model of one matrix in a batched bf16 Newton–Schulz (§4.4), in bytes.
+    """Workspace model of one matrix in a batched bf16 Newton–Schulz (docs/algorithm.md#gefenmuon),
+    in bytes.
 
     ``2·(3·m·n + 2·m²)`` with ``m = min(rows, cols)``, ``n = max(rows, cols)``: the working copy,
     the product and the output (each ``m×n``) plus the Gram matrix and its square (``m×m``),
@@ -349,7 +356,8 @@ def ns_workspace_bytes(rows: int, cols: int) -> int:
 def plan_ns_batches(
     count: int, rows: int, cols: int, workspace_bytes: int, *, min_batch: int = 8
 ) -> tuple[list[int], int]:
-    """Cut ``count`` same-shaped matrices into batches that fit the workspace (§4.4).
+    """Cut ``count`` same-shaped matrices into batches that fit the workspace
+    (docs/algorithm.md#gefenmuon).
 
     Batches hold at most ``workspace_bytes // ns_workspace_bytes(rows, cols)`` matrices and at
     least ``min_batch``. A short remainder is rebalanced with the previous batch when both

@@ -1,4 +1,5 @@
-"""The :class:`Gefen` optimizer class: validation, groups, state, step orchestration (§1.6).
+"""The :class:`Gefen` optimizer class: validation, groups, state, step orchestration
+(docs/algorithm.md#step).
 
 The per-tensor math is in ``gefen_kernels`` (reached through :mod:`gefen_core.functional`),
 the codebook solver in :mod:`gefen_core.codebook`, the period search in
@@ -22,7 +23,7 @@ from .functional import gefen as _gefen_functional
 
 __all__ = ["Gefen"]
 
-# Chunk of codes re-mapped at once on a codebook refresh: 2**23 elements, §1.17 / Appendix A.
+# Chunk of codes re-mapped at once on a codebook refresh: 2**23 elements, docs/algorithm.md#step.
 _REMAP_CHUNK = 1 << 23
 
 
@@ -64,10 +65,11 @@ class Gefen(Optimizer):
 
     :math:`\mathrm{round}_c` is the nearest codeword (ties to the lower index) or, with
     ``stochastic_round``, unbiased stochastic rounding seeded by the step and a per-tensor
-    salt (§1.9); where :math:`g_{t,i} = 0`, both round toward zero, so a stopped coordinate's
-    update reaches 0 as AdamW's does (docs/algorithm.md#toward-zero-rounding). The update uses
-    the *re-quantized* momentum. The canonical fp32 rounding
-    sequence is that of §1.10/§1.11.
+    salt (docs/algorithm.md#toward-zero-rounding); where :math:`g_{t,i} = 0`, both round toward
+    zero, so a stopped coordinate's update reaches 0 as AdamW's does
+    (docs/algorithm.md#toward-zero-rounding). The update uses the *re-quantized* momentum. The
+    canonical fp32 rounding sequence is that of docs/algorithm.md#block-second-moment,
+    docs/algorithm.md#factored-second-moment.
 
     Args:
         params (iterable): tensors, ``(name, tensor)`` pairs (``model.named_parameters()``),
@@ -91,23 +93,23 @@ class Gefen(Optimizer):
         {differentiable}
         {fused}
         factored_v_2d (bool, optional): factored (row/column) second moment for 2-D
-            parameters, §1.11 (default: True)
+            parameters, docs/algorithm.md#factored-second-moment (default: True)
         {min_dim_size_to_factor}
         stochastic_round (bool, optional): unbiased stochastic rounding of the momentum codes
-            on every path, §1.9 (default: False)
+            on every path, docs/algorithm.md#quantizer (default: False)
         deterministic (bool, optional): fixed-order reductions everywhere so identical inputs
-            give bit-identical results on identical hardware, §1.15; saved in checkpoints and
-            must match on load (default: False)
-        period_search (str, optional): ``"log_contrast"`` (§1.7.2, the paper) or
-            ``"variance"`` (§1.7.3), both followed by the memory-safe fallback
-            (default: "log_contrast")
+            give bit-identical results on identical hardware, docs/algorithm.md#deterministic; saved
+            in checkpoints and must match on load (default: False)
+        period_search (str, optional): ``"log_contrast"`` (docs/algorithm.md#period-search, the
+            paper) or ``"variance"`` (docs/algorithm.md#period-search), both followed by the
+            memory-safe fallback (default: "log_contrast")
         force_1d_period_one (bool, optional): 1-D parameters get ``P = 1`` (default: False)
         force_2d_period_one (bool, optional): 2-D parameters get ``P = 1`` (default: False)
         period_one_substrings (tuple[str, ...], optional): parameters whose lower-cased name
             contains one of these (lower-cased) substrings get ``P = 1`` (default: ())
         codebook_refresh_every (int, optional): relearn the codebook every this many steps
-            from the current gradients and re-map all codes, §1.8.5; 0 = never, >= 0,
-            optimizer-wide (default: 0)
+            from the current gradients and re-map all codes, docs/algorithm.md#codebook; 0 = never,
+            >= 0, optimizer-wide (default: 0)
         {skip_nonfinite}
 
     Dispatch:
@@ -232,7 +234,8 @@ class Gefen(Optimizer):
         if not params:
             raise ValueError(_params.torch_error("optimizer got an empty parameter list", where,
                                                  "pass at least one tensor"))
-        # A plain list forms one implicit group whose unnamed tensors are `param_{j}` (§1.4).
+        # A plain list forms one implicit group whose unnamed tensors are `param_{j}`
+        # (docs/algorithm.md#overview).
         self._building_implicit_group = not isinstance(params[0], dict)
         try:
             super().__init__(
@@ -242,7 +245,7 @@ class Gefen(Optimizer):
 
     # ------------------------------------------------------------------ groups and names
     def _init_runtime_caches(self) -> None:
-        # Never serialised: rebuilt on demand (§1.5 "scratch").
+        # Never serialised: rebuilt on demand (docs/algorithm.md#state-layout "scratch").
         self._codebook_cache: dict[torch.device, Tensor] = {}
         self._lr_cache: dict[int, tuple[weakref.ref[Tensor], int, float]] = {}
         self._device_global_step: dict[torch.device, Tensor] = {}
@@ -309,8 +312,9 @@ class Gefen(Optimizer):
         return any(p.dtype == torch.float16 for _, p, _ in self._named_params())
 
     # ------------------------------------------------------------------ extension points
-    #: Whether DTensor 2-D parameters take the factored second moment (§1.11). Only a subclass
-    #: whose :meth:`_factored_statistics` sums the shards' statistics may set it.
+    #: Whether DTensor 2-D parameters take the factored second moment
+    #: (docs/algorithm.md#factored-second-moment). Only a subclass whose
+    #: :meth:`_factored_statistics` sums the shards' statistics may set it.
     _reduces_factored_stats: bool = False
     #: The class to name when a parameter is a DTensor sharded over ranks, which this class
     #: would step with a rank-local codebook and periods; ``None`` for a class that steps such
@@ -384,8 +388,8 @@ class Gefen(Optimizer):
 
     def _search_periods(self, grads: list[Tensor], shapes: list[tuple[int, ...]],
                         names: list[str], variant: str) -> list[int]:
-        """Period search for the tensors no §1.7.1 gate decided: every tensor's scores are
-        launched before any is read back (one host sync per device,
+        """Period search for the tensors no docs/algorithm.md#period-search gate decided: every
+        tensor's scores are launched before any is read back (one host sync per device,
         :func:`gefen_core.period.search_periods`); errors name the parameter. A distributed
         subclass may override it to reduce the period statistics over the global tensors."""
         from .period import search_periods
@@ -394,15 +398,15 @@ class Gefen(Optimizer):
                                                names=names)]
 
     def _select_period(self, param: Tensor, grad: Tensor, name: str, group: dict[str, Any]) -> int:
-        """§1.7.1 gates in order, then :meth:`_search_periods` (:meth:`_select_periods` of
-        one tensor)."""
+        """docs/algorithm.md#period-search gates in order, then :meth:`_search_periods`
+        (:meth:`_select_periods` of one tensor)."""
         return self._select_periods([(param, grad, name, group)])[0]
 
     def _select_periods(self, items: Sequence[tuple[Tensor, Tensor, str, dict[str, Any]]],
                         ) -> list[int]:
-        """The period of each ``(param, grad, name, group)``: the §1.7.1 gates in order, then
-        one :meth:`_search_periods` call per search variant for the tensors no gate decided
-        (a model's first step then waits for the device once, not once per tensor)."""
+        """The period of each ``(param, grad, name, group)``: the docs/algorithm.md#period-search
+        gates in order, then one :meth:`_search_periods` call per search variant for the tensors no
+        gate decided (a model's first step then waits for the device once, not once per tensor)."""
         periods: list[int] = [0] * len(items)
         pending: dict[str, list[int]] = {}
         for i, (param, _, name, group) in enumerate(items):
@@ -450,7 +454,8 @@ class Gefen(Optimizer):
     def _learn(self, entries: list[tuple[dict[str, Any], Tensor, Tensor, str]],
                periods: dict[Tensor, int]) -> Tensor:
         """Histogram of every participating gradient (each with its own period), reduced,
-        then the exact optimal codebook (§1.8). Fills ``periods`` for tensors lacking one."""
+        then the exact optimal codebook (docs/algorithm.md#codebook). Fills ``periods`` for tensors
+        lacking one."""
         from gefen_kernels.ops import histogram_sum
 
         from .codebook import optimal_codebook
@@ -503,7 +508,8 @@ class Gefen(Optimizer):
                                    f"capture device {dev}")
 
     def _preflight(self) -> list[tuple[dict[str, Any], Tensor, Tensor, str]]:
-        """§1.6 C: check every gradient before any mutation; returns (group, p, grad, name)."""
+        """docs/algorithm.md#step C: check every gradient before any mutation; returns (group, p,
+        grad, name)."""
         entries = []
         for group, p, name in self._named_params():
             # Every parameter, with a gradient or not, so every rank refuses alike.
@@ -534,8 +540,9 @@ class Gefen(Optimizer):
     def _host_lr(self, lr: float | Tensor) -> float:
         if not isinstance(lr, Tensor):
             return float(lr)
-        # One device->host read per lr change (§1.17), keyed by the tensor's identity (held
-        # weakly, so a recycled id cannot alias) and its version counter (bumped by fill_).
+        # One device->host read per lr change (docs/algorithm.md#step), keyed by the tensor's
+        # identity (held weakly, so a recycled id cannot alias) and its version counter (bumped by
+        # fill_).
         hit = self._lr_cache.get(id(lr))
         if hit is not None and hit[0]() is lr and hit[1] == lr._version:
             return hit[2]
@@ -563,7 +570,7 @@ class Gefen(Optimizer):
 
     def _sync_global_step(self) -> None:
         """Under capturable the device mirrors are the truth (graph replays advance only
-        them); bring the host count in line (§1.16)."""
+        them); bring the host count in line (docs/algorithm.md#capturable)."""
         values = {int(t.item()) for t in self._device_global_step.values()}
         if len(values) > 1:
             raise RuntimeError(f"Gefen: per-device step counters disagree: {sorted(values)}")
@@ -591,15 +598,17 @@ class Gefen(Optimizer):
                 state["exp_avg_codes"] = torch.zeros(blocks, period, dtype=torch.uint8, device=dev)
                 state["exp_avg_scale"] = torch.zeros(blocks, 1, dtype=torch.float32, device=dev)
             elif not capturable:
-                # A framework may have paged the parameter (§1.13): follow the gradient.
+                # A framework may have paged the parameter (docs/algorithm.md#step): follow the
+                # gradient.
                 for key in ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_row",
                             "exp_avg_sq_col"):
                     if key in state and state[key].device != dev:
                         state[key] = state[key].to(dev)
             factored = _dispatch.is_factored(p, group, sharded=self._reduces_factored_stats)
             if factored and "exp_avg_sq_row" not in state:
-                # Migration from block mode (§2.3): fresh statistics and age; O8 drops the
-                # now-unused per-block second moment. A row shard keeps its own rows' r.
+                # Migration from block mode (docs/algorithm.md#checkpoint-format): fresh statistics
+                # and age; O8 drops the now-unused per-block second moment. A row shard keeps its
+                # own rows' r.
                 state.pop("exp_avg_sq", None)
                 state["exp_avg_sq_row"] = torch.zeros(
                     _dispatch.local(p).shape[0], dtype=torch.float32, device=dev)
@@ -648,7 +657,7 @@ class Gefen(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one optimization step (§1.6).
+        """Perform one optimization step (docs/algorithm.md#step).
 
         Args:
             closure (Callable, optional): re-evaluates the model and returns the loss; it runs
@@ -686,7 +695,8 @@ class Gefen(Optimizer):
 
         overflow, inv_scale = _amp.overflow_and_inverse_scale(self)
         if overflow:
-            return loss  # §1.14: nothing learned, counted, or touched; T unchanged.
+            # docs/algorithm.md#mixed-precision: nothing learned, counted, or touched; T unchanged.
+            return loss
         if inv_scale is not None:
             _amp.unscale_([g for _, _, g, _ in entries], inv_scale)
 
@@ -707,7 +717,8 @@ class Gefen(Optimizer):
               and self._global_step % self._codebook_refresh_every == 0 and live):
             self._refresh(live, periods)
 
-        # Parameters receiving their first gradient after the codebook exists (§1.6).
+        # Parameters receiving their first gradient after the codebook exists
+        # (docs/algorithm.md#step).
         stepped: list[tuple[dict[str, Any], Tensor, Tensor, str]] = []
         for group, p, g, name in live:
             if p in periods or "period" in self.state.get(p, {}):
@@ -788,8 +799,8 @@ class Gefen(Optimizer):
 
     def _refresh(self, live: list[tuple[dict[str, Any], Tensor, Tensor, str]],
                  periods: dict[Tensor, int]) -> None:
-        """§1.8.5: relearn from the current gradients with the stored periods (missing ones
-        computed on the fly, O6), re-map every code, commit all together."""
+        """docs/algorithm.md#codebook: relearn from the current gradients with the stored periods
+        (missing ones computed on the fly, O6), re-map every code, commit all together."""
         if not self._all_finite([g for _, _, g, _ in live]):
             warnings.warn("Gefen: non-finite gradients on a codebook-refresh step; the refresh "
                           "is skipped (decision O9)", RuntimeWarning, stacklevel=3)
@@ -807,7 +818,7 @@ class Gefen(Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The native checkpoint (docs/internals/contracts.md, ALGORITHM.md §2.1).
+        """The native checkpoint (docs/internals/contracts.md, docs/algorithm.md#checkpoint-format).
 
         Plain tensors, ints, floats, strings, bools, lists, tuples, dicts and ``None`` only, so
         ``torch.load(weights_only=True)`` reads it.
@@ -826,7 +837,8 @@ class Gefen(Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint: stage it on a shadow, validate everything, then swap (§2.2).
+        """Load a checkpoint: stage it on a shadow, validate everything, then swap
+        (docs/algorithm.md#checkpoint-format).
 
         A rejected checkpoint raises ``ValueError`` and leaves the optimizer unchanged.
         Checkpoints of the published ``gefen`` 1.2.x / ``gefen-x`` 0.5.x are converted first

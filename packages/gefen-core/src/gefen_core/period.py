@@ -1,4 +1,4 @@
-"""Block-period search (ALGORITHM.md §1.7.2-§1.7.4, open choice O2, weakness §8 items 2-3).
+"""Block-period search (docs/algorithm.md#period-search; decision O2 in docs/decisions.md).
 
 :func:`search_period` scores the candidate periods its rules read with the ``gefen_kernels``
 op ``multi_period_scores`` (one pass of chunked fp64 prefix sums over the tensor, no pass and
@@ -10,15 +10,16 @@ same for many tensors (a whole model's first step) with one call of the op and o
 device-to-host copy per device: on CUDA its Triton path scores all of a device's tensors in a
 number of launches that follows their total size, not their number.
 
-Determinism (§1.7.6, §1.15): the scores are computed with fixed-order reductions on every
-backend (the op has no atomics), so there is no separate deterministic mode: the same gradient on
-the same device gives the same scores bit for bit, hence the same period, and
-``deterministic=True`` needs nothing more from this module. The op dispatches on the
-gradient's device at every call (CUDA: Triton when available, else the PyTorch reference);
-nothing about the backend is remembered between calls (§8 item 16).
+Determinism (docs/algorithm.md#period-search, docs/algorithm.md#deterministic): the scores are
+computed with fixed-order reductions on every backend (the op has no atomics), so there is no
+separate deterministic mode: the same gradient on the same device gives the same scores bit for bit,
+hence the same period, and ``deterministic=True`` needs nothing more from this module. The op
+dispatches on the gradient's device at every call (CUDA: Triton when available, else the PyTorch
+reference); nothing about the backend is remembered between calls (docs/algorithm.md#period-search).
 
-The force gates of §1.7.1 (numel 0 or 1, ``force_1d_period_one``, ``force_2d_period_one``,
-``period_one_substrings``) belong to the optimizer, which calls :func:`search_period` after them.
+The force gates of docs/algorithm.md#period-search (numel 0 or 1, ``force_1d_period_one``,
+``force_2d_period_one``, ``period_one_substrings``) belong to the optimizer, which calls
+:func:`search_period` after them.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def _check_numel(numel: int) -> None:
 
 
 def period_candidates(numel: int) -> list[int]:
-    """The candidate set ``D(N)`` of §1.7.1: every divisor ``p < N`` of ``N``, ascending.
+    """The candidate set ``D(N)`` of docs/algorithm.md#period-search: every divisor ``p < N`` of
+    ``N``, ascending.
 
     ``1`` is included (for ``N > 1``); ``N`` itself never is.
 
@@ -92,7 +94,7 @@ def period_candidates(numel: int) -> list[int]:
 
 
 def memory_safe_fallback(numel: int, shape: tuple[int, ...]) -> int:
-    """The period used when the search returns 1 (§1.7.4).
+    """The period used when the search returns 1 (docs/algorithm.md#period-search).
 
     ``N < 8`` gives 1. Otherwise the largest of: ``shape[-1]`` (tensors of 2 or more dims, when
     ``shape[-1] >= 8`` and it divides ``N``) and the largest divisor of ``N`` that is ``<= 2048``
@@ -127,14 +129,16 @@ def _check_shape(shape: object) -> tuple[int, ...]:
 
 
 def _round_large_period(period: int) -> int:
-    """§1.7.2 rule 4: ``P > 1024`` becomes the smallest divisor of ``P`` exceeding 1024."""
+    """docs/algorithm.md#period-search rule 4: ``P > 1024`` becomes the smallest divisor of ``P``
+    exceeding 1024."""
     if period <= LARGE_PERIOD:
         return period
     return min(d for d in _divisors(period) if d > LARGE_PERIOD)
 
 
 def _log_contrast_choice(cands: list[int], scores: list[float]) -> int:
-    """§1.7.2 rules 2-3 on candidates with at least 4 blocks (ascending) and their S(p)."""
+    """docs/algorithm.md#period-search rules 2-3 on candidates with at least 4 blocks (ascending)
+    and their S(p)."""
     best_p, best_s = 1, -math.inf
     for j in range(1, len(cands) - 1):
         p, s = cands[j], scores[j]
@@ -145,7 +149,8 @@ def _log_contrast_choice(cands: list[int], scores: list[float]) -> int:
 
 
 def _variance_choice(cands: list[int], scores: list[float]) -> int:
-    """§1.7.3: smallest increment of E(p) (first one 1e-12, ties -> smaller p); P < 8 -> 1."""
+    """docs/algorithm.md#period-search: smallest increment of E(p) (first one 1e-12, ties -> smaller
+    p); P < 8 -> 1."""
     best_p, best_inc = cands[0], FIRST_INCREMENT
     for j in range(1, len(cands)):
         inc = scores[j] - scores[j - 1]
@@ -191,7 +196,8 @@ def _plan(grad: Tensor, shape: object, variant: str) -> _Plan:
 
 
 def _log_contrast_scored(cands: list[int]) -> list[int]:
-    """The candidates whose Variant L scores the rules read (§1.7.2 rules 2-3).
+    """The candidates whose Variant L scores the rules read (docs/algorithm.md#period-search rules
+    2-3).
 
     A peak is an interior candidate above ``MIN_PEAK_PERIOD`` compared with its two
     neighbours; candidates ascend, so these form the suffix of ``cands`` that starts one
@@ -228,11 +234,12 @@ def _decide(plan: _Plan, scores: list[float], fallback: bool) -> int:
 
 def search_period(grad: Tensor, shape: tuple[int, ...], *, variant: str = "log_contrast",
                   fallback: bool = True) -> int:
-    """Block period ``P`` of a parameter from its gradient (§1.7.2 / §1.7.3, then §1.7.4).
+    """Block period ``P`` of a parameter from its gradient (docs/algorithm.md#period-search, then
+    docs/algorithm.md#period-search).
 
     One pass over the gradient and one device-to-host sync. The scores use fixed-order
     reductions on every backend, so the result is deterministic (module docstring); this is the
-    path ``deterministic=True`` asks for (§1.7.6).
+    path ``deterministic=True`` asks for (docs/algorithm.md#period-search).
 
     Args:
         grad: the (local) gradient, any real float dtype and device, ``N >= 1`` elements, taken

@@ -1,4 +1,5 @@
-"""Which parameters Muon should train, and which go to the backup optimizer (ALGORITHM.md §5.2).
+"""Which parameters Muon should train, and which go to the backup optimizer
+(docs/algorithm.md#hybrid).
 
 Muon orthogonalises a *matrix* update, which is only meaningful for hidden linear maps.
 Embeddings (a lookup table, not a linear map of the activations), output heads and
@@ -91,7 +92,7 @@ def split_params_for_muon(
     *,
     backup_substrings: Iterable[str] | None = None,
 ) -> tuple[NamedParams, NamedParams]:
-    """Split trainable parameters into a Muon list and a backup list (§5.2).
+    """Split trainable parameters into a Muon list and a backup list (docs/algorithm.md#hybrid).
 
     For each ``(name, p)`` of ``model.named_parameters()`` (tied parameters appear once, under
     their first name), in order:
@@ -162,7 +163,8 @@ def validate_split(
     backup: Sequence[tuple[str, Tensor]],
     model: nn.Module | None = None,
 ) -> None:
-    """Check that a Muon/backup split is a partition of (trainable) parameters (§5.2).
+    """Check that a Muon/backup split is a partition of (trainable) parameters
+    (docs/algorithm.md#hybrid).
 
     Args:
         muon, backup: lists of ``(name, tensor)`` pairs, e.g. from :func:`split_params_for_muon`.

@@ -1,4 +1,4 @@
-"""Optimizer-state size of Gefen for a set of parameter shapes (ALGORITHM.md §1.2).
+"""Optimizer-state size of Gefen for a set of parameter shapes (docs/algorithm.md#state-layout).
 
 ``python -m gefen_core.state_size`` prints the state bytes per parameter of Gefen for a
 GPT-2 (124M) and a Llama-3.2-1B parameter set built from their shapes (nothing is downloaded),
@@ -7,9 +7,9 @@ with the defaults (factored second moment for 2-D tensors whose sides are both a
 factored (``min_dim_size_to_factor = 0``), and in block mode.
 
 The block period of each tensor is the one the period search settles on for gradients without
-block structure (the search finds no period, so the memory-safe fallback of §1.7.4 decides);
-a real search that finds structure picks a period ``>= 8`` of its own, and the byte counts per
-tensor below hold for any period.
+block structure (the search finds no period, so the memory-safe fallback of
+docs/algorithm.md#period-search decides); a real search that finds structure picks a period ``>= 8``
+of its own, and the byte counts per tensor below hold for any period.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def state_bytes(shape: Shape, period: int, *, factored: bool,
 
 
 def default_period(shape: Shape) -> int:
-    """The period of a tensor whose gradient has no block structure (§1.7.1 gates, §1.7.4)."""
+    """The period of a tensor whose gradient has no block structure (docs/algorithm.md#period-search
+    gates, docs/algorithm.md#period-search)."""
     numel = 1
     for d in shape:
         numel *= d

@@ -1,4 +1,4 @@
-"""Test registry for Gefen-family optimizers (STYLE.md item 15, after torch's ``OptimizerInfo``).
+"""Test registry for Gefen-family optimizers (after torch's ``OptimizerInfo``).
 
 Each :class:`OptimizerInfo` names an optimizer class, a generator of valid constructor inputs
 (:class:`OptimizerInput`) and a generator of invalid ones with the exception they must raise
@@ -87,7 +87,7 @@ def gefen_inputs(device: str) -> list[OptimizerInput]:
 
 
 def gefen_error_inputs(device: str) -> list[ErrorOptimizerInput]:
-    """Invalid Gefen configurations and the error each must raise (§1.3)."""
+    """Invalid Gefen configurations and the error each must raise (docs/algorithm.md#overview)."""
     E = ErrorOptimizerInput
     errors = [
         E({"lr": -1e-3}, ValueError, r"^Invalid learning rate: -0\.001", "negative_lr"),

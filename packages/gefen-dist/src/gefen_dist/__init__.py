@@ -3,11 +3,12 @@
 * :class:`ShardedGefen` — Gefen for FSDP2 ``Shard(0)`` parameters whose codebook and block
   periods are those of the global tensors (all-reduced histogram, globally searched periods).
 * :class:`ShardedGefenMuon`, :class:`ShardedGefenMuonHybrid` — GefenMuon (and the hybrid) on
-  FSDP2 matrices with ``sharded_mode`` "exact", "distributed" or "approx" (ALGORITHM.md §4.8).
+  FSDP2 matrices with ``sharded_mode`` "exact", "distributed" or "approx"
+  (docs/algorithm.md#distributed).
 * :class:`GefenDCPState`, :class:`GefenSavePlanner`, :class:`GefenStager` — reshardable
   ``torch.distributed.checkpoint`` save/load (N ranks -> M ranks).
 * :func:`offload_state_`, :func:`restore_state_`, :func:`move_state_` — optimizer-state
-  offload for plain Gefen on replicated CUDA parameters (ALGORITHM.md §6.2).
+  offload for plain Gefen on replicated CUDA parameters (docs/algorithm.md#distributed).
 * :mod:`gefen_dist.capabilities` — what each optimizer supports, checked before training.
 * :mod:`gefen_dist.testing` — spawn N gloo ranks for tests, with timeouts.
 """

@@ -1,7 +1,7 @@
 """Agree on rank-local checks before a collective, so a failure is an error on every rank.
 
 A rank that raises between two collectives leaves its peers blocked in the next one until the
-process-group timeout (ALGORITHM.md §8 item 5). Every rank-local check that precedes a
+process-group timeout (docs/algorithm.md#distributed). Every rank-local check that precedes a
 collective therefore runs inside :func:`agreed`: each rank records whether its check failed,
 one all-reduce combines the flags, and then either every rank proceeds or every rank raises the
 same :class:`CollectiveCheckError`, whose message names the failing ranks and their errors.

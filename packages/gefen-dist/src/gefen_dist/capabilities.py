@@ -57,8 +57,8 @@ class Transport(str, enum.Enum):
     DCP_RESHARD_EXACT = "dcp_reshard_exact"
     """``GefenDCPState`` save on N ranks, load on M ranks with block-aligned shards; bit-exact."""
     DCP_RESHARD_APPROX = "dcp_reshard_approx"
-    """``GefenDCPState`` save on N ranks, load on M ranks with re-blocking (ALGORITHM.md §6.1
-    error: momentum re-quantized, second moment re-aggregated)."""
+    """``GefenDCPState`` save on N ranks, load on M ranks with re-blocking
+    (docs/algorithm.md#resharding error: momentum re-quantized, second moment re-aggregated)."""
 
 
 class UnsupportedCombinationError(ValueError):
@@ -185,7 +185,8 @@ SHARDED_GEFEN_MUON_CAPABILITIES = Capabilities(
         "rank-local and loads only on the same topology",
     },
 )
-"""``gefen_dist.ShardedGefenMuon`` and ``ShardedGefenMuonHybrid`` (FSDP2, ALGORITHM.md §4.8)."""
+"""``gefen_dist.ShardedGefenMuon`` and ``ShardedGefenMuonHybrid`` (FSDP2,
+docs/algorithm.md#distributed)."""
 
 
 def _load_builtins() -> None:

@@ -192,7 +192,8 @@ class GefenDCPState(Stateful):
         return period
 
     def _factored(self, gi: int, p: Tensor) -> bool:
-        """Whether the optimizer steps ``p`` with the factored second moment (§1.11)."""
+        """Whether the optimizer steps ``p`` with the factored second moment
+        (docs/algorithm.md#factored-second-moment)."""
         return _core_dispatch.is_factored(
             p, self._opt.param_groups[gi],
             sharded=bool(getattr(self._opt, "_reduces_factored_stats", False)))

@@ -1,4 +1,4 @@
-"""Gefen as the client optimizer of DeepSpeed ZeRO (ALGORITHM.md §6.3, §6.4).
+"""Gefen as the client optimizer of DeepSpeed ZeRO (docs/algorithm.md#distributed).
 
 Plain :class:`gefen_core.Gefen` works at ZeRO stages 0-3, with ``offload_optimizer`` to the
 CPU (Gefen steps the CPU-resident fp32 partitions on its PyTorch path) and with
@@ -58,7 +58,8 @@ class DeepSpeedConfigError(ValueError):
 
 
 def zero_config_keys(*, offload: bool = False) -> dict[str, bool]:
-    """The top-level DeepSpeed config keys Gefen needs as a ZeRO client optimizer (§6.4).
+    """The top-level DeepSpeed config keys Gefen needs as a ZeRO client optimizer
+    (docs/algorithm.md#distributed).
 
     Args:
         offload: ``True`` when the config uses ``zero_optimization.offload_optimizer`` (or
@@ -302,10 +303,10 @@ def name_zero_partitions(optimizer: Any) -> int:
     partitions after Gefen was built — ZeRO-1/2 once, ZeRO-3 around every ``step``,
     ``state_dict`` and ``load_state_dict`` (and an empty list in between) — but Gefen's parallel
     ``param_names`` still lists the original parameters; its ``state_dict`` would then carry a
-    name list of the wrong length, which ``load_state_dict`` rightly refuses (§2.2). This
-    renames the tensors of every such group ``zero_partition.g<group>.<index>`` (flagged
-    synthesized, §1.4) — the same on every rank, so checkpoints agree — and leaves groups whose
-    lengths already agree alone.
+    name list of the wrong length, which ``load_state_dict`` rightly refuses
+    (docs/algorithm.md#checkpoint-format). This renames the tensors of every such group
+    ``zero_partition.g<group>.<index>`` (flagged synthesized, docs/algorithm.md#overview) — the same
+    on every rank, so checkpoints agree — and leaves groups whose lengths already agree alone.
 
     Returns:
         The number of groups renamed.

@@ -1,4 +1,5 @@
-"""Gefen with the Hugging Face ``Trainer`` / Accelerate, and the axolotl-style names (§6.6).
+"""Gefen with the Hugging Face ``Trainer`` / Accelerate, and the axolotl-style names
+(docs/algorithm.md#distributed).
 
 Three ways to give the Trainer a Gefen optimizer:
 
@@ -20,8 +21,8 @@ Three ways to give the Trainer a Gefen optimizer:
 * by name, as axolotl does: :func:`create_optimizer` with ``"gefenx"`` (``Gefen``) or
   ``"gefenx_muon"`` (``GefenMuonHybrid``) and an ``optim_args`` string or dict.
 
-:data:`RECIPES` holds the recommended settings of §6.6. Nothing here imports ``transformers``:
-``args`` is anything with the ``TrainingArguments`` attribute names.
+:data:`RECIPES` holds the recommended settings of docs/algorithm.md#distributed. Nothing here
+imports ``transformers``: ``args`` is anything with the ``TrainingArguments`` attribute names.
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ __all__ = [
     "recipe",
 ]
 
-#: axolotl-style optimizer names (§6.6) and the class each builds.
+#: axolotl-style optimizer names (docs/algorithm.md#distributed) and the class each builds.
 GEFENX_NAMES = ("gefenx", "gefenx_muon")
 
-#: The recommended recipes of ALGORITHM.md §6.6 as GefenMuonHybrid / Gefen keyword arguments,
-#: with learning rates as multiples of the recipe's base ``lr`` (resolved by :func:`recipe`).
+#: The recommended recipes of docs/algorithm.md#distributed as GefenMuonHybrid / Gefen keyword
+#: arguments, with learning rates as multiples of the recipe's base ``lr`` (resolved by
+#: :func:`recipe`).
 RECIPES: dict[str, dict[str, Any]] = {
     # plain Gefen SFT: lr ~ 0.6 x the AdamW lr; weight decay scaled by ~1/0.6 to keep lr*wd.
     "gefen_sft": {"optimizer": "gefen", "lr_scale": 0.6, "weight_decay_scale": 1 / 0.6},
@@ -89,13 +91,14 @@ def _attr(args: Any, name: str) -> Any:
 
 
 def gefen_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
-    """``TrainingArguments`` fields as :class:`gefen_core.Gefen` keyword arguments (§6.6).
+    """``TrainingArguments`` fields as :class:`gefen_core.Gefen` keyword arguments
+    (docs/algorithm.md#distributed).
 
     ``learning_rate`` -> ``lr``; ``(adam_beta1, adam_beta2)`` -> ``betas``; ``adam_epsilon`` ->
     ``eps``; ``weight_decay`` -> ``weight_decay``; plus ``fused=None``: the fused kernels on
-    CUDA tensors, the PyTorch path elsewhere. (§6.6 writes ``fused=True``; gefen_core's
-    ``Gefen`` raises for ``fused=True`` on CPU tensors, so pass it explicitly only when every
-    parameter is on CUDA and the kernels must be used.)
+    CUDA tensors, the PyTorch path elsewhere. (The earlier releases' recipe used ``fused=True``;
+    gefen_core's ``Gefen`` raises for ``fused=True`` on CPU tensors, so pass it explicitly only when
+    every parameter is on CUDA and the kernels must be used.)
 
     Args:
         args: a ``TrainingArguments`` (or any object with those attributes).
@@ -131,7 +134,8 @@ def hybrid_kwargs(args: Any, **overrides: Any) -> dict[str, Any]:
     """``TrainingArguments`` fields as ``GefenMuonHybrid`` keyword arguments.
 
     Same mapping as :func:`gefen_kwargs` (``betas``/``eps`` apply to the backup half; the Muon
-    half keeps its own eps, §5.3). ``weight_decay`` is the shared decay of both halves.
+    half keeps its own eps, docs/algorithm.md#hybrid). ``weight_decay`` is the shared decay of both
+    halves.
     """
     return gefen_kwargs(args, **overrides)
 
@@ -142,9 +146,10 @@ class GefenMuonHybridFactory:
 
     ``transformers`` treats a first element that is not an ``Optimizer`` class as a factory: it
     instantiates it with no arguments and calls it with ``(model, **kwargs)``, so the hybrid is
-    split from the model the Trainer trains (§5.2) rather than from the Trainer's flat groups.
-    Older ``transformers`` releases without that protocol call the class with the parameter
-    groups instead; that raises a ``TypeError`` pointing to ``optimizers=(hybrid, None)``.
+    split from the model the Trainer trains (docs/algorithm.md#hybrid) rather than from the
+    Trainer's flat groups. Older ``transformers`` releases without that protocol call the class with
+    the parameter groups instead; that raises a ``TypeError`` pointing to ``optimizers=(hybrid,
+    None)``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -186,7 +191,8 @@ def _coerce(name: str, key: str, value: Any, kind: type) -> Any:
 
 
 def parse_optim_args(name: str, optim_args: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    """Parse axolotl / ``TrainingArguments.optim_args`` for a ``gefenx`` name (§6.6).
+    """Parse axolotl / ``TrainingArguments.optim_args`` for a ``gefenx`` name
+    (docs/algorithm.md#distributed).
 
     Args:
         name: ``"gefenx"`` or ``"gefenx_muon"``.
@@ -236,7 +242,8 @@ def parse_optim_args(name: str, optim_args: str | Mapping[str, Any] | None) -> d
 
 
 def recipe(name: str, lr: float, weight_decay: float = 0.0) -> tuple[str, dict[str, Any]]:
-    """A recipe of :data:`RECIPES` resolved at base learning rate ``lr`` (§6.6).
+    """A recipe of :data:`RECIPES` resolved at base learning rate ``lr``
+    (docs/algorithm.md#distributed).
 
     Returns:
         ``(optimizer, kwargs)`` with ``optimizer`` ``"gefen"`` or ``"gefen_muon_hybrid"``.
@@ -262,7 +269,8 @@ def create_optimizer(
     args: Any,
     optim_args: str | Mapping[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
-    """The axolotl-style factory: build ``gefenx`` / ``gefenx_muon`` for ``model`` (§6.6).
+    """The axolotl-style factory: build ``gefenx`` / ``gefenx_muon`` for ``model``
+    (docs/algorithm.md#distributed).
 
     * ``gefenx`` -> ``Gefen(model.named_parameters(), **gefen_kwargs(args), **optim_args)``
       over the trainable parameters.

@@ -1,4 +1,4 @@
-"""Gefen inside Megatron-Core's optimizer wrappers (ALGORITHM.md §6.5).
+"""Gefen inside Megatron-Core's optimizer wrappers (docs/algorithm.md#distributed).
 
 :func:`get_gefen_megatron_optimizer` is the Gefen counterpart of
 ``megatron.core.optimizer.get_megatron_optimizer``: it takes the same
@@ -6,7 +6,7 @@
 loop (``get_forward_backward_func`` + ``optimizer.step()`` + ``OptimizerParamScheduler``) drives
 unchanged — gradient clipping, the grad-norm and zero-count statistics, bf16 fp32 main weights
 and the legacy ``torch`` checkpoint format (``optimizer.state_dict()`` per rank) are Megatron's.
-Three recipes (§6.5):
+Three recipes (docs/algorithm.md#distributed):
 
 * ``"gefen"``: plain :class:`gefen_core.Gefen` on every parameter;
 * ``"muon_adamw"``: :class:`gefen_core.muon.GefenMuon` on the hidden 2-D matrices,
@@ -20,10 +20,10 @@ backup words (a Megatron output layer is a ``ColumnParallelLinear``, not an embe
 
 What the config may ask for. Taken from ``OptimizerConfig``: ``lr``, ``min_lr``,
 ``weight_decay``, ``adam_beta1/2``, ``adam_eps``, ``clip_grad``, ``bf16``. Refused with
-:class:`MegatronConfigError` (not exercised, §6.5): ``fp16``, ``use_distributed_optimizer``,
-``optimizer_cpu_offload``, ``use_precision_aware_optimizer``, Megatron-FSDP; and for the Muon
-recipes tensor parallelism > 1 (GefenMuon orthogonalises whole matrices; a TP shard is not one).
-``config.optimizer`` is ignored: the recipe chooses the optimizer.
+:class:`MegatronConfigError` (not exercised, docs/algorithm.md#distributed): ``fp16``,
+``use_distributed_optimizer``, ``optimizer_cpu_offload``, ``use_precision_aware_optimizer``,
+Megatron-FSDP; and for the Muon recipes tensor parallelism > 1 (GefenMuon orthogonalises whole
+matrices; a TP shard is not one). ``config.optimizer`` is ignored: the recipe chooses the optimizer.
 
 Megatron's forward needs CUDA, and so do its optimizer wrappers; :func:`check_megatron_config`
 and :func:`build_gefen_optimizers` (the unwrapped torch optimizers) work on the CPU.
@@ -57,8 +57,8 @@ def _backup_words() -> tuple[str, ...]:
     return tuple(DEFAULT_BACKUP_SUBSTRINGS) + ("output_layer",)
 
 
-#: Name fragments routed to the backup optimizer under Megatron: the defaults of §5.2 plus
-#: ``output_layer`` (Megatron's untied LM head).
+#: Name fragments routed to the backup optimizer under Megatron: the defaults of
+#: docs/algorithm.md#hybrid plus ``output_layer`` (Megatron's untied LM head).
 MEGATRON_BACKUP_SUBSTRINGS: tuple[str, ...] = _backup_words()
 
 
@@ -190,7 +190,8 @@ def build_gefen_optimizers(
         model_chunks: the model chunks (or one module).
         recipe: ``"gefen"``, ``"muon_adamw"`` or ``"muon_gefen"``.
         backup_lr: the backup half's peak lr; default ``config.lr`` for AdamW and
-            ``0.5 * config.lr`` for Gefen (§6.6 lowest-memory recipe). ``min_lr`` scales with it.
+            ``0.5 * config.lr`` for Gefen (docs/algorithm.md#distributed lowest-memory recipe).
+            ``min_lr`` scales with it.
         gefen_kwargs: extra ``Gefen`` arguments (plain recipe and Gefen backup), e.g.
             ``{"fused": True, "deterministic": True}``.
         muon_kwargs: extra ``GefenMuon`` arguments (e.g. ``ns_schedule``, ``normuon``).

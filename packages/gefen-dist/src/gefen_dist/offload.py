@@ -1,11 +1,12 @@
-"""Optimizer-state offload for plain Gefen on replicated CUDA parameters (ALGORITHM.md §6.2).
+"""Optimizer-state offload for plain Gefen on replicated CUDA parameters
+(docs/algorithm.md#distributed).
 
 * :func:`move_state_` — move every per-parameter state tensor to its parameter's device (or
   one explicit device), all or nothing.
 * :func:`offload_state_` — keep the per-parameter state in (page-locked) host memory between
   steps. Each ``step()`` works as usual: gefen-core brings state that is not on the gradient's
-  device to it (§1.13); a step post-hook copies the updated state back into the same host
-  buffers and releases the device copies. The codebook stays on the GPU. Between steps the
+  device to it (docs/algorithm.md#step); a step post-hook copies the updated state back into the
+  same host buffers and releases the device copies. The codebook stays on the GPU. Between steps the
   device holds none of the ~1 byte/param state, which is what forward and backward gain.
 * :func:`restore_state_` — turn it off and bring the state back to the parameters' devices.
 
@@ -16,9 +17,9 @@ until a checkpoint is loaded, because the offload contract (state on the host be
 no longer holds.
 
 Fails closed (``ValueError``, nothing changed) for DTensor / FSDP-sharded parameters (FSDP2's
-``CPUOffloadPolicy`` owns placement there, §6.3), ``capturable=True`` (graph-captured steps
-cannot allocate or copy), parameters not on CUDA, state keys gefen-core does not define, and
-state tensors that are non-contiguous or share storage. Calling ``step()`` while
+``CPUOffloadPolicy`` owns placement there, docs/algorithm.md#distributed), ``capturable=True``
+(graph-captured steps cannot allocate or copy), parameters not on CUDA, state keys gefen-core does
+not define, and state tensors that are non-contiguous or share storage. Calling ``step()`` while
 ``torch.compile`` traces it raises.
 """
 
@@ -80,7 +81,7 @@ def _check_optimizer(opt: Any, *, need_cuda: bool) -> None:
             if isinstance(p, DTensor):
                 raise ValueError(
                     f"parameter {name!r} is a DTensor: sharded state is placed by the framework "
-                    "(FSDP2 CPUOffloadPolicy, §6.3), not by offload_state_")
+                    "(FSDP2 CPUOffloadPolicy), not by offload_state_")
             if need_cuda and p.device.type != "cuda":
                 raise ValueError(
                     f"parameter {name!r} is on {p.device}; state offload keeps the state of "
@@ -157,7 +158,8 @@ def move_state_(optimizer: Gefen, device: torch.device | str | None = None) -> N
 
 
 def offload_state_(optimizer: Gefen, *, pin_memory: bool = True) -> None:
-    """Keep ``optimizer``'s per-parameter state on the host between steps (§6.2).
+    """Keep ``optimizer``'s per-parameter state on the host between steps
+    (docs/algorithm.md#distributed).
 
     Args:
         optimizer: plain :class:`gefen_core.Gefen` whose parameters are ordinary CUDA tensors.

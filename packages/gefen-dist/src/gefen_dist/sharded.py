@@ -2,9 +2,9 @@
 
 Plain :class:`gefen_core.Gefen` steps a DTensor parameter on its local shard and would learn
 the codebook and each block period from that rank's shard alone, so the optimizer state
-would depend on the world size (ALGORITHM.md §2.4, §6.3). :class:`ShardedGefen` takes the
+would depend on the world size (docs/algorithm.md#distributed). :class:`ShardedGefen` takes the
 same arguments plus ``distributed_mesh`` and makes both functions of the *global* tensor
-(ARCHITECTURE.md, "Distributed design principle"):
+(docs/algorithm.md#distributed):
 
 * **Period.** On the first step a parameter has a gradient, every rank all-gathers that
   gradient once (``DTensor.full_tensor()``) and runs Gefen's own gates and period search
@@ -30,14 +30,14 @@ on every step, first of all (one all-reduce), so a non-finite gradient on any ra
 step on every rank (docs/algorithm.md#non-finite-gradients). A rank-local problem thus becomes
 the same error (or the same skipped step) on every rank instead of a hang.
 
-* **Factored second moment** (``factored_v_2d=True``, §1.11), for matrices whose global sides
-  are both at least ``min_dim_size_to_factor`` (default 128, docs/algorithm.md#factoring-rule;
-  smaller ones keep the per-block second moment, as in ``Gefen``). A ``Shard(0)`` rank holds whole
-  rows, so its row statistics ``r`` are complete locally, while the column sums of ``g^2`` and
-  ``sum(r')`` (for ``rbar``) are sums over every rank's rows. gefen-core computes each rank's
-  part (:meth:`gefen_core.Gefen._factored_statistics`, mutating nothing); this class sums them
-  with **one fp32 all-reduce per step** for all factored parameters (a bucket of ``C + 1``
-  values each, ranks with an empty shard adding zeros), so ``k`` and ``rbar`` are those of the
+* **Factored second moment** (``factored_v_2d=True``, docs/algorithm.md#factored-second-moment), for
+  matrices whose global sides are both at least ``min_dim_size_to_factor`` (default 128,
+  docs/algorithm.md#factoring-rule; smaller ones keep the per-block second moment, as in ``Gefen``).
+  A ``Shard(0)`` rank holds whole rows, so its row statistics ``r`` are complete locally, while the
+  column sums of ``g^2`` and ``sum(r')`` (for ``rbar``) are sums over every rank's rows. gefen-core
+  computes each rank's part (:meth:`gefen_core.Gefen._factored_statistics`, mutating nothing); this
+  class sums them with **one fp32 all-reduce per step** for all factored parameters (a bucket of ``C
+  + 1`` values each, ranks with an empty shard adding zeros), so ``k`` and ``rbar`` are those of the
   global matrix and ``k`` is identical on every rank; ``r`` stays local to the rank's rows.
   A failure while a rank computes its part is folded into the same all-reduce and becomes the
   same :class:`gefen_dist.CollectiveCheckError` on every rank.
@@ -448,9 +448,9 @@ class ShardedGefen(Gefen):
     def _mirror_empty_shards(self) -> None:
         """Give empty local shards zero-size state and the same counters as their peers.
 
-        gefen-core skips a zero-numel local shard (§1.13). Keeping a zero-size entry with the
-        momentum age of the parameter makes every rank's ``state_dict()`` list the same
-        parameters and keys, which DCP's collective gathers and planners require.
+        gefen-core skips a zero-numel local shard (docs/algorithm.md#step). Keeping a zero-size
+        entry with the momentum age of the parameter makes every rank's ``state_dict()`` list the
+        same parameters and keys, which DCP's collective gathers and planners require.
         """
         for group, i, p, _ in self._entries():
             if not _is_dtensor(p) or p.grad is None or _local(p).numel() > 0:
@@ -537,8 +537,9 @@ class ShardedGefen(Gefen):
 
         Accepts what :meth:`state_dict` writes (DTensor state), the same gathered to full plain
         tensors (``full_state_dict=True``), or compact per-shard tensors. Every rank converts
-        and validates its part (gefen-core's staging, §2.2); the ranks agree on the verdict;
-        only then does any rank commit. A malformed checkpoint on one rank raises
+        and validates its part (gefen-core's staging, docs/algorithm.md#checkpoint-format); the
+        ranks agree on the verdict; only then does any rank commit. A malformed checkpoint on one
+        rank raises
         :class:`gefen_dist.CollectiveCheckError` on every rank and changes nothing.
         """
         from gefen_core.checkpoint import commit, stage_load

@@ -1,14 +1,16 @@
-"""``ShardedGefenMuon``, ``ShardedGefenMuonHybrid``: the Muon family on FSDP2 (ALGORITHM.md §4.8).
+"""``ShardedGefenMuon``, ``ShardedGefenMuonHybrid``: the Muon family on FSDP2
+(docs/algorithm.md#distributed).
 
 Newton–Schulz orthogonalises a *whole* matrix; FSDP2 (``fully_shard``) leaves each rank a
 ``Shard(0)`` row block of it. :class:`ShardedGefenMuon` is :class:`gefen_core.GefenMuon` plus
-the collectives of the three ``sharded_mode`` values (§4.8, per param group):
+the collectives of the three ``sharded_mode`` values (docs/algorithm.md#distributed, per param
+group):
 
 * ``"exact"`` (default): every rank all-gathers the full gradient of every matrix each step
   (consecutive matrices share one all-gather, up to 128 MiB of full gradients) and
-  runs the whole pipeline of §4.3 (quantized momentum with the full tensor's period and the
-  shared codebook, Nesterov, Newton–Schulz, NorMuon, cautious) on the full matrix. The
-  momentum state is full-size and identical on every rank (replicated, ~1 byte per *global*
+  runs the whole pipeline of docs/algorithm.md#gefenmuon (quantized momentum with the full tensor's
+  period and the shared codebook, Nesterov, Newton–Schulz, NorMuon, cautious) on the full matrix.
+  The momentum state is full-size and identical on every rank (replicated, ~1 byte per *global*
   element per rank). Each rank then writes rows ``[k·c, min(R, (k+1)·c))`` of the update
   into its shard, ``c = ceil(R / W)`` (DTensor's ``torch.chunk`` rule; a shard may be empty).
 * ``"distributed"`` ("parallel Muon"): the distributed-mode matrices are listed in group order
@@ -194,7 +196,8 @@ def _mesh_group(distributed_mesh: Any, where: str) -> Any:
 
 
 class ShardedGefenMuon(GefenMuon):
-    """:class:`gefen_core.GefenMuon` for FSDP2 ``Shard(0)`` DTensor matrices (§4.8).
+    """:class:`gefen_core.GefenMuon` for FSDP2 ``Shard(0)`` DTensor matrices
+    (docs/algorithm.md#distributed).
 
     Use it like ``GefenMuon`` after ``fully_shard(model)``::
 
@@ -327,7 +330,8 @@ class ShardedGefenMuon(GefenMuon):
         return mode
 
     def _owners(self) -> dict[int, int]:
-        """``{id(p): owning group rank}`` of the distributed-mode matrices (§4.8)."""
+        """``{id(p): owning group rank}`` of the distributed-mode matrices
+        (docs/algorithm.md#distributed)."""
         world = self._world()
         out: dict[int, int] = {}
         for group, p, _ in self._named_params():
@@ -348,7 +352,8 @@ class ShardedGefenMuon(GefenMuon):
         """DTensor matrices are this class's job; nothing to refuse."""
 
     def _update_target(self, p: Tensor, o: Tensor) -> tuple[Tensor, Tensor]:
-        """A DTensor's local shard and the rows of ``o`` it owns (§4.8 slicing).
+        """A DTensor's local shard and the rows of ``o`` it owns (docs/algorithm.md#distributed
+        slicing).
 
         ``o`` is either the full ``R × C`` update (exact, distributed) or already the local
         block (approx, whose pipeline ran on the shard).
@@ -371,7 +376,7 @@ class ShardedGefenMuon(GefenMuon):
         return local, o
 
     def _muon_preflight(self) -> list[Entry]:
-        """GefenMuon's structural checks, agreed over the mesh (§4.7)."""
+        """GefenMuon's structural checks, agreed over the mesh (docs/algorithm.md#gefenmuon)."""
         if not self._collective():
             return super()._muon_preflight()
         entries: list[Entry] | None = None
@@ -383,7 +388,8 @@ class ShardedGefenMuon(GefenMuon):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One GefenMuon step (§4.7) with the sharded modes of §4.8.
+        """One GefenMuon step (docs/algorithm.md#gefenmuon) with the sharded modes of
+        docs/algorithm.md#distributed.
 
         Order: the closure; GefenMuon's checks, agreed over the mesh; the AMP decision, agreed
         (an overflow on any rank skips the step on every rank); agreement on which
@@ -502,7 +508,8 @@ class ShardedGefenMuon(GefenMuon):
         self._global_step += 1
 
     def _run(self, stepped: list[Entry]) -> None:
-        """§4.3 on each entry's gradient (full matrix or local block), in group order."""
+        """docs/algorithm.md#gefenmuon on each entry's gradient (full matrix or local block), in
+        group order."""
         for group, p, g, name in stepped:
             lr = group["lr"] if group["capturable"] else self._host_lr(group["lr"])
             u = self._momentum(p, g, name, group)
@@ -511,11 +518,11 @@ class ShardedGefenMuon(GefenMuon):
 
     def _run_distributed(self, items: list[Entry],
                          gathered: Callable[[list[Entry]], list[Entry]]) -> None:
-        """The owner pipeline of §4.8, over gather buckets of gradient-bearing matrices
-        (:func:`_gather_buckets`; matrix ownership stays ``j mod W``, so each rank runs the
-        pipeline on the bucket's matrices it owns, in parallel with the other owners). The
-        updates of a bucket are then exchanged in one all-gather, in the Newton–Schulz dtype:
-        the same values a broadcast from each owner delivers."""
+        """The owner pipeline of docs/algorithm.md#distributed, over gather buckets of
+        gradient-bearing matrices (:func:`_gather_buckets`; matrix ownership stays ``j mod W``, so
+        each rank runs the pipeline on the bucket's matrices it owns, in parallel with the other
+        owners). The updates of a bucket are then exchanged in one all-gather, in the Newton–Schulz
+        dtype: the same values a broadcast from each owner delivers."""
         rank = self._rank()
         owners = self._owners()
         grads = [cast(DTensor, p.grad) for _, p, _, _ in items]
@@ -595,7 +602,8 @@ class ShardedGefenMuon(GefenMuon):
         return list(self._named_params())
 
     def state_dict(self) -> dict[str, Any]:
-        """GefenMuon's checkpoint (§2, §4.9); collective in distributed mode.
+        """GefenMuon's checkpoint (docs/algorithm.md#checkpoint-format,
+        docs/algorithm.md#distributed); collective in distributed mode.
 
         * exact: every rank returns the full-size, replicated state (identical on every rank);
           it loads on any world size, into this class in exact or distributed mode, or into a
@@ -768,7 +776,8 @@ class ShardedGefenMuonHybrid(GefenMuonHybrid):
     :class:`gefen_dist.ShardedGefen` (global codebook and periods). An AdamW backup is
     ``torch.optim.AdamW``, which steps DTensor shards element-wise as it is.
 
-    Same arguments and checkpoint layout (§5.5) as ``GefenMuonHybrid``. Every rank must call
+    Same arguments and checkpoint layout (docs/algorithm.md#hybrid) as ``GefenMuonHybrid``. Every
+    rank must call
     :meth:`step`, :meth:`state_dict` (distributed mode) and :meth:`load_state_dict`. With
     ``skip_nonfinite=True`` the ranks agree (one all-reduce per step) so a NaN or Inf in any
     rank's gradients skips the step of both halves on every rank

@@ -4,7 +4,7 @@ Each op has a PyTorch reference (CPU and CUDA; the specification), a Triton kern
 same signature, and a ``torch.ops.gefen`` custom op behind the public name: CUDA tensors take
 the Triton kernel when Triton is available, everything else the reference. Importing this
 package never needs Triton. Signatures: ``docs/internals/contracts.md``; math:
-ALGORITHM.md §1.8-§1.11, §3.
+docs/algorithm.md#codebook, docs/algorithm.md#factored-second-moment, docs/algorithm.md#step.
 """
 
 from ._triton import triton_available

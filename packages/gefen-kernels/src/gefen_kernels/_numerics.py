@@ -1,8 +1,9 @@
 """The canonical arithmetic shared by every Gefen op: one definition, used by every path.
 
-Rounding sequence (ALGORITHM.md §1.10, §1.11; chosen once, used by the PyTorch references and
-the Triton kernels alike). ``f32(.)`` rounds to binary32; every binary operation is rounded on
-its own (no fused multiply-add anywhere: the Triton launches pass ``enable_fp_fusion=False``):
+Rounding sequence (docs/algorithm.md#block-second-moment, docs/algorithm.md#factored-second-moment;
+chosen once, used by the PyTorch references and the Triton kernels alike). ``f32(.)`` rounds to
+binary32; every binary operation is rounded on its own (no fused multiply-add anywhere: the Triton
+launches pass ``enable_fp_fusion=False``):
 
 * host scalars: ``b1 = f32(beta1)``, ``omb1 = f32(1 - b1)`` (formed in fp32), likewise
   ``b2``/``omb2``; ``eps = f32(eps)``; ``lr``, ``bc1_recip``, ``bc2_rsqrt``/``bc2_recip`` and
@@ -15,14 +16,14 @@ its own (no fused multiply-add anywhere: the Triton launches pass ``enable_fp_fu
   fp32-converted gradient), ``v' = f32(f32(b2 * v) + f32(omb2 * mean))``.
 * factored second moment: ``r' = f32(f32(b2 * r) + f32(omb2 * f32(rowsum * f32(1/C))))``,
   likewise ``k'`` with ``1/R``; ``rbar = max(f32(f32(sum r') / f32(R)), FLT_MIN)``;
-  ``V = f32(f32(r_i * k_j) * f32(1/rbar))``. (§1.11 writes the r/k EMA as an fma; this project
-  uses separately rounded products there too, so a single rule holds everywhere and the PyTorch
-  reference, which cannot promise an fma on every device, matches the kernels bit for bit.)
+  ``V = f32(f32(r_i * k_j) * f32(1/rbar))``. (The r/k EMA uses separately rounded products too,
+  not an fma, so a single rule holds everywhere and the PyTorch reference, which cannot promise
+  an fma on every device, matches the kernels bit for bit.)
 * denominator: block ``h = f32(sqrt(v))``, ``h = f32(h * bc2_rsqrt)``; factored
   ``h = f32(sqrt(f32(V * bc2_recip)))``; then ``h = f32(h + eps)``,
   ``sigma = f32(f32(1/h) * bc1_recip)``. Square roots and divisions are IEEE round-to-nearest.
 * re-quantisation: ``s' = max |m|`` over the block, ``z = m / s'`` if ``s' > 0`` else 0,
-  ``q' = quantize(z)`` (§1.9), ``mhat = f32(c[q'] * s')``.
+  ``q' = quantize(z)`` (docs/algorithm.md#quantizer), ``mhat = f32(c[q'] * s')``.
 * parameter: ``u = f32(f32(mhat * sigma) * lr)``; ``p = fp(fp(p * decay) - u)`` (fp = the
   parameter dtype; ``decay == 1`` gives the same bits as skipping the multiply).
 
@@ -74,14 +75,16 @@ HISTOGRAM_BINS = 4096
 # HISTOGRAM_SIZE counts, for elements whose normalised value is exactly 0.
 ZERO_BIN = HISTOGRAM_BINS
 HISTOGRAM_SIZE = HISTOGRAM_BINS + 1
-FLT_MIN = 1.1754943508222875e-38  # smallest normal binary32, the factored-mean floor (§1.11)
+# smallest normal binary32, the factored-mean floor (docs/algorithm.md#factored-second-moment)
+FLT_MIN = 1.1754943508222875e-38
 
 # Elements per chunk of the PyTorch references. Each element of a chunk costs at most ~56 bytes
 # of temporaries (fp32 values, int64 search indices), so 2**20 elements keep the scratch of one
 # step under 64 MiB whatever the tensor size. Tests patch it down to exercise the chunk logic.
 CHUNK_ELEMENTS = 1 << 20
 
-# splitmix64 constants of the stochastic-rounding hash (§1.9, Appendix A), as unsigned values.
+# splitmix64 constants of the stochastic-rounding hash (docs/algorithm.md#stochastic-rounding), as
+# unsigned values.
 SR_MUL0 = 0x9E3779B97F4A7C15
 SR_MUL1 = 0xBF58476D1CE4E5B9
 SR_MUL2 = 0x94D049BB133111EB
@@ -100,7 +103,8 @@ def f32(value: float) -> float:
 
 def momentum_ema(beta1: float | Tensor, one_minus_beta1: float | Tensor, scale: Tensor,
                  codeword: Tensor, grad: Tensor) -> Tensor:
-    """The one definition of the momentum EMA on dequantised state (§1.10 step 5).
+    """The one definition of the momentum EMA on dequantised state
+    (docs/algorithm.md#block-second-moment step 5).
 
     ``m = beta1 * (scale * codeword) + (1 - beta1) * grad`` with every product rounded on its
     own and one final add, in the dtype of the operands (fp32; fp64 on the fp64 reference).

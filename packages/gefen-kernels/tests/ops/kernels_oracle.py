@@ -1,4 +1,4 @@
-"""Independent float64 implementations of the Gefen op math, written from ALGORITHM.md.
+"""Independent float64 implementations of the Gefen op math, written from docs/algorithm.md.
 
 Plain numpy, whole tensors, no chunking and no code shared with gefen_kernels: these are the
 references the tests hold the package's PyTorch references (and, through them, the Triton
@@ -15,7 +15,8 @@ FLT_MIN = 2.0**-126
 
 
 def splitmix_uniform(seed: int, idx: int) -> float:
-    """§1.9 counter-based uniform with Python integers (exact modular arithmetic)."""
+    """docs/algorithm.md#stochastic-rounding counter-based uniform with Python integers (exact
+    modular arithmetic)."""
     z = (seed + 0x9E3779B97F4A7C15 * (idx + 1)) & MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
@@ -24,7 +25,7 @@ def splitmix_uniform(seed: int, idx: int) -> float:
 
 
 def nearest64(z: np.ndarray, cb: np.ndarray) -> np.ndarray:
-    """Nearest codeword, ties to the lower index, in float64 (§1.9)."""
+    """Nearest codeword, ties to the lower index, in float64 (docs/algorithm.md#quantizer)."""
     z = np.asarray(z, dtype=np.float64)
     cb = np.asarray(cb, dtype=np.float64)
     j = np.searchsorted(cb, z, side="left")
@@ -95,7 +96,8 @@ def momentum64(g, q, s, cb, beta1):
 
 def block_step64(p, g, q, s, v, cb, *, lr, beta1, beta2, eps, bc1_recip, bc2_rsqrt, decay,
                  maximize=False):
-    """One block-mode step (§1.10) in float64. Returns a dict of the new state and extras."""
+    """One block-mode step (docs/algorithm.md#block-second-moment) in float64. Returns a dict of the
+    new state and extras."""
     num_blocks, period = q.shape
     g = np.asarray(g, np.float64).reshape(num_blocks, period) * (-1.0 if maximize else 1.0)
     v_new = beta2 * v + (1.0 - beta2) * (g * g).mean(axis=1, keepdims=True)

@@ -1,4 +1,5 @@
-"""block_step reference (§1.10) against an independent float64 implementation, plus properties."""
+"""block_step reference (docs/algorithm.md#block-second-moment) against an independent float64
+implementation, plus properties."""
 
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ def check_against_float64(param: torch.Tensor, grad: torch.Tensor, state: dict[s
     """
     hp = _hyper(step, lr, weight_decay)
     run = run or block_step_reference
-    # §1.10: the betas enter the fp32 arithmetic cast to fp32 (1 - beta2 is then formed from
-    # the cast value), so the float64 math uses those coefficients; fp64 params use them as is.
+    # docs/algorithm.md#block-second-moment: the betas enter the fp32 arithmetic cast to fp32 (1 -
+    # beta2 is then formed from the cast value), so the float64 math uses those coefficients; fp64
+    # params use them as is.
     b1, b2 = float(np.float32(BETA1)), float(np.float32(BETA2))
     if param.dtype == torch.float64:
         b1, b2 = BETA1, BETA2

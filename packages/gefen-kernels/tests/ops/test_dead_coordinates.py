@@ -1,5 +1,5 @@
-"""Dead coordinates stop moving through the Triton kernels (docs/algorithm.md#toward-zero-
-rounding; in the interpreter here, compiled on a GPU).
+"""Dead coordinates stop moving through the Triton kernels
+(docs/algorithm.md#toward-zero-rounding; in the interpreter here, compiled on a GPU).
 
 The op-level twin of gefen-core's ``test_gefen_dead_coordinates.py``: a ``[64, 64]``
 parameter (blocks of one row) trains on a noisy quadratic, then four columns, two rows (whole

@@ -1,11 +1,12 @@
-"""Row-sharded factored statistics (§1.11): ``factored_partial_stats`` + ``stats=`` on the step.
+"""Row-sharded factored statistics (docs/algorithm.md#factored-second-moment):
+``factored_partial_stats`` + ``stats=`` on the step.
 
 * one shard, no reduction: the two-phase step equals the one-call step bit for bit (reference
   and Triton interpreter), and the partial stage mutates nothing;
 * several row shards whose column sums and ``sum(r')`` are added: ``r``, ``k`` and the step
-  agree with an independent float64 implementation of §1.11 on the global matrix, codes and
-  scales equal the one-call step's, and every shard (an empty one included, through
-  ``factored_finalize_stats``) holds the same ``k``;
+  agree with an independent float64 implementation of docs/algorithm.md#factored-second-moment on
+  the global matrix, codes and scales equal the one-call step's, and every shard (an empty one
+  included, through ``factored_finalize_stats``) holds the same ``k``;
 * bad ``stats``/``global_rows`` are rejected before anything changes.
 """
 

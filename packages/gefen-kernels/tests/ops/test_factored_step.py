@@ -1,4 +1,5 @@
-"""factored_step reference (§1.11) against an independent float64 implementation."""
+"""factored_step reference (docs/algorithm.md#factored-second-moment) against an independent float64
+implementation."""
 
 from __future__ import annotations
 

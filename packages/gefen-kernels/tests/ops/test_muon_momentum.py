@@ -1,4 +1,5 @@
-"""Quantized Muon momentum (§3.8) against the float64 oracle written from ALGORITHM.md."""
+"""Quantized Muon momentum (docs/algorithm.md#gefenmuon) against the float64 oracle written from
+docs/algorithm.md."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_matches_float64_oracle(dtype, blocks, period, nesterov):
     got_q = codes.long().numpy()
     assert np.array_equal(got_q[~near], q[~near])
     assert np.all(np.abs(got_q[near] - q[near]) <= 1)
-    # Dense output from the op's own codes and scale: fp(f32(fp(c[q]) * s)) (§3.8) ...
+    # Dense output from the op's own codes and scale: fp(f32(fp(c[q]) * s))
+    # (docs/algorithm.md#gefenmuon) ...
     cw = cb[codes.long()].to(dtype).double()
     plain = (cw * scale.double()).to(torch.float32 if dtype != torch.float64 else dtype)
     plain = plain.to(dtype)
@@ -50,8 +52,8 @@ def test_matches_float64_oracle(dtype, blocks, period, nesterov):
         assert torch.equal(u.view(blocks, period), plain)
         return
     # ... and the Nesterov look-ahead built from it, each product rounded on its own.
-    # The op's constants are fp32 (§1.10: β cast to fp32, 1 - β formed in fp32), fp64 for
-    # fp64 gradients.
+    # The op's constants are fp32 (docs/algorithm.md#block-second-moment: β cast to fp32, 1 - β
+    # formed in fp32), fp64 for fp64 gradients.
     b = beta if dtype == torch.float64 else float(np.float32(beta))
     omb = 1 - b if dtype == torch.float64 else float(np.float32(1 - np.float32(b)))
     expect = omb * g64 + b * plain.double().numpy()

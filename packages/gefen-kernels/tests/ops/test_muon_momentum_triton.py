@@ -1,4 +1,5 @@
-"""The Triton Muon momentum (§3.8) against its PyTorch reference, bit for bit.
+"""The Triton Muon momentum (docs/algorithm.md#gefenmuon) against its PyTorch reference, bit for
+bit.
 
 Why bit for bit: the op has one reduction, the per-block max of ``|m|``, and a maximum does not
 depend on the order it is taken in (NaN propagates in both: the reference's ``amax`` and the

@@ -1,4 +1,5 @@
-"""period_scores (§1.7.2, §1.7.3, §8.2): one-pass scores against a naive per-candidate loop.
+"""period_scores (docs/algorithm.md#period-search): one-pass scores against a naive per-candidate
+loop.
 
 The naive reference is written here from the formulas: for each candidate it reshapes the
 gradient into ``[B, p]`` and computes block means and variances directly in float64.
@@ -239,7 +240,8 @@ def test_triton_full_size_on_gpu(variant: str) -> None:
 
 
 def _exact_log_contrast(g: torch.Tensor, cands: list[int]) -> list[float]:
-    """S(p) with exactly rounded block sums (math.fsum), from the §1.7.2 formula."""
+    """S(p) with exactly rounded block sums (math.fsum), from the docs/algorithm.md#period-search
+    formula."""
     x = np.log((g.float() * g.float()).numpy().astype(np.float64) + 1e-12)
     out = []
     for p in cands:

@@ -1,4 +1,5 @@
-"""Quantizer tests (§1.9): nearest rounding, stochastic rounding, the counter-based hash."""
+"""Quantizer tests (docs/algorithm.md#stochastic-rounding): nearest rounding, stochastic rounding,
+the counter-based hash."""
 
 from __future__ import annotations
 
@@ -288,7 +289,8 @@ def test_compile_fullgraph_gpu() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The §1.8.4 search table narrows the kernels' search; it must never change a code.
+# The docs/algorithm.md#quantizer search table narrows the kernels' search; it must never change a
+# code.
 # --------------------------------------------------------------------------------------------
 
 

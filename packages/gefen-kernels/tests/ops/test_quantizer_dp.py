@@ -1,4 +1,5 @@
-"""The quantizer DP kernel (ALGORITHM.md §1.8.3) against the textbook recurrence, bit for bit.
+"""The quantizer DP kernel (docs/algorithm.md#codebook-solver) against the textbook recurrence, bit
+for bit.
 
 The reference is written here from the spec (gefen-kernels does not depend on gefen-core):
 fp64 prefix sums accumulated left to right, ``D[k][j] = min_{i=k..j} D[k-1][i-1] +
@@ -56,7 +57,8 @@ runs_kernel = pytest.mark.skipif(
 
 
 def _textbook(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float]:
-    """The §1.8.3 recurrence, vectorised over ``i`` per (layer, j); O(k * M**2)."""
+    """The docs/algorithm.md#codebook-solver recurrence, vectorised over ``i`` per (layer, j); O(k *
+    M**2)."""
     m = x.size
     wx = w * x
     pw = np.concatenate([[0.0], np.cumsum(w)])
@@ -270,9 +272,9 @@ def test_input_errors() -> None:
 # Full size on the GPU: 4096 active bins, 256 codewords, against gefen-core's solver
 # ------------------------------------------------------------------------------------------
 def _full_histogram(seed: int, all_active: bool) -> tuple[np.ndarray, np.ndarray]:
-    """A 4096-bin histogram of block-normalised gradients (§1.8.2), as fp64 points and counts
-    of its active bins: 4M samples plus one count in every bin (``all_active``, M = 4096), or
-    131K samples (about 3500 active bins, sparse tails)."""
+    """A 4096-bin histogram of block-normalised gradients (docs/algorithm.md#histogram), as fp64
+    points and counts of its active bins: 4M samples plus one count in every bin (``all_active``, M
+    = 4096), or 131K samples (about 3500 active bins, sparse tails)."""
     rng = np.random.default_rng(seed)
     blocks = 1 << 14 if all_active else 1 << 9
     g = rng.standard_t(4, size=(blocks, 256)) * np.exp(rng.normal(size=(blocks, 1)))

@@ -1,4 +1,5 @@
-"""The bucket-table search of the PyTorch references (§1.8.4) equals the full binary search.
+"""The bucket-table search of the PyTorch references (docs/algorithm.md#quantizer) equals the full
+binary search.
 
 The table path of ``_quant_ref`` must never change a code: its lower bound is compared with
 ``torch.searchsorted`` and its nearest / stochastic codes with a direct float64 oracle, on

@@ -1,5 +1,5 @@
 """Gefen ops: one module per op, each holding its PyTorch reference, its Triton kernel and its
-``torch.ops.gefen`` custom-op registration (STYLE.md item 11).
+``torch.ops.gefen`` custom-op registration.
 
 ``gefen_kernels.ops.<op>`` is the dispatching public function for the step, quantize and
 histogram ops (gefen-core calls ``ops.block_step``). ``period_scores`` is exported from the

@@ -1,4 +1,5 @@
-"""Chunking of the PyTorch references over whole blocks (§1.17: bounded temporaries)."""
+"""Chunking of the PyTorch references over whole blocks (docs/algorithm.md#step: bounded
+temporaries)."""
 
 from __future__ import annotations
 

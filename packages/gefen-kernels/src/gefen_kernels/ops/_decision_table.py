@@ -1,4 +1,5 @@
-"""Nearest-codeword decision table: the §1.9 nearest rounding as one lookup (acceleration only).
+"""Nearest-codeword decision table: the docs/algorithm.md#quantizer nearest rounding as one lookup
+(acceleration only).
 
 The kernels bucket ``x`` as the search table does (``b = clamp(floor((x + 1) * 2048), 0,
 4095)``, fp32, NaN -> 0). Both that bucket map and the nearest rounding of
@@ -15,14 +16,10 @@ and a second gather, with no dependent loads (``STEPS = DIRECT_STEPS``):
 * word ``4096 + b`` (the pair word): the fp32 patterns of ``c[q_lo]`` (low) and ``c[q_hi]``
   (high).
 
-The head words come first, together (32 KiB), because the kernels on Triton >= 3.6 read only
-them. On an H200, against head and pair words interleaved (the layout before 2026-11-30), the
-step tile kernel on bf16 [8192, 8192] took 0.5-11% less time (mean 5%) in the six cases
-measured on production code, bit-identical: variant ``head_packed`` of
-``scripts/kernel_ablation.py``, factored and block mode in
-``docs/results/h200-2026-11-30-lookup/ablation_lookup.txt``, block mode in
-``docs/results/h200-2026-11-30-strips/call1_ablation_row_blocks.txt``, each against the mean
-of two production timings.
+The head words come first, together (32 KiB), because the kernels on Triton >= 3.6 read only them.
+On an H200, against head and pair words interleaved (the layout before 2026-11-30), the step tile
+kernel on bf16 [8192, 8192] took 0.5-11% less time (mean 5%) in the six cases measured on production
+code, bit-identical (factored and block mode, each against the mean of two production timings).
 
 ``q = q_hi if x > t else q_lo``, and its codeword likewise. Where Triton compiles
 ``tl.gather``, the kernels read only the head word and gather ``c[q]`` from a register copy
@@ -206,8 +203,7 @@ def staged_section(table: Tensor) -> Tensor | None:
     Both parts, 5 KiB, are small enough for a program to copy into shared memory once per
     tile and look up there (``tl.gather``), where the head word is a random 8-byte load from
     a 32 KiB table: about one L1 wavefront per element, which made the L1 the step tile
-    kernel's busiest unit (90 % in block mode, ``docs/results/h200-2026-11-30-strips/
-    call7_ncu_tile.txt``).
+    kernel's busiest unit (90 % in block mode, Nsight Compute).
     """
     head = table[:HISTOGRAM_BINS]
     t_bits = (head & 0xFFFFFFFF).to(torch.int32)  # wraps to the fp32 bit pattern

@@ -1,4 +1,5 @@
-"""Triton kernels that run the fused step of many tensors in one launch (ALGORITHM.md §3.5).
+"""Triton kernels that run the fused step of many tensors in one launch
+(docs/algorithm.md#block-second-moment).
 
 Every program looks up its tensor in an int64 *meta table* (one row per tensor, columns in
 :data:`META`) through an int32 *program map* (program -> row), then runs exactly the per-program

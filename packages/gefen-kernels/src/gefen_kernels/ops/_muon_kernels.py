@@ -1,4 +1,4 @@
-"""Triton kernels of the quantized Muon momentum (ALGORITHM.md §3.8).
+"""Triton kernels of the quantized Muon momentum (docs/algorithm.md#gefenmuon).
 
 The Gefen step kernels of :mod:`._step_kernels` without a second moment or a parameter write:
 recompute ``m`` from the old codes and scale, take the new block max, re-quantise, write the
@@ -23,10 +23,10 @@ products (``LAUNCH_OPTIONS``: no fma contraction); offsets are int64.
 
 Pointer arguments: ``g_ptr`` grad (``N``, fp32/bf16/fp16), ``q_ptr`` uint8 codes ``[B, P]``,
 ``s_ptr`` fp32 scales ``[B]``, ``cb_ptr`` fp32 ``[256]``, ``table_ptr`` the search table of
-§1.8.4, packed (:func:`._search_table.kernel_table`; ``STEPS`` probes; ``STEPS=0``: full
-search), ``seed_ptr`` int64 ``[1]`` (``SEED_PTR``), ``u_ptr`` the output (``N``, the gradient's
-dtype). Constexprs: ``NESTEROV`` look-ahead, ``MAXIMIZE`` negate grad, ``STOCHASTIC`` rounding,
-``SEED_PTR`` read the seed from device memory (CUDA-graph capturable).
+docs/algorithm.md#quantizer, packed (:func:`._search_table.kernel_table`; ``STEPS`` probes;
+``STEPS=0``: full search), ``seed_ptr`` int64 ``[1]`` (``SEED_PTR``), ``u_ptr`` the output (``N``,
+the gradient's dtype). Constexprs: ``NESTEROV`` look-ahead, ``MAXIMIZE`` negate grad, ``STOCHASTIC``
+rounding, ``SEED_PTR`` read the seed from device memory (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _muon_write(q_ptr, u_ptr, cb_ptr, table_ptr, offs, mask, g, m, s_new, b, omb
     """Quantise ``m`` with the new scale, write the codes and the dense momentum at ``offs``.
 
     ``u = fp(f32(fp(c[q']) * s'))``; Nesterov: ``fp(f32(f32((1 - b) * g) + fp(f32(u * b))))``
-    with ``fp`` the output dtype (§3.8, each product rounded on its own).
+    with ``fp`` the output dtype (docs/algorithm.md#gefenmuon, each product rounded on its own).
     """
     positive = s_new > 0
     z = tl.where(positive, tl.math.div_rn(m, tl.where(positive, s_new, 1.0)), 0.0)

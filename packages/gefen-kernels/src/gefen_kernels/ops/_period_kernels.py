@@ -1,11 +1,11 @@
 """Triton path of :mod:`.period_scores`: every candidate's score in four launches per chunk,
 and the scores of many tensors in four launches per round.
 
-Same scores as the reference (§1.7.2, §1.7.3, the module docstring of :mod:`.period_scores`),
-to fp64 rounding: the chunk-local exclusive prefix ``E`` is formed as the reference's (fp64
-tile scans plus fp64 tile offsets, over 8M-element chunks instead of 512K) and each block's
-sum, mean and term use the reference's expressions; the tile offsets are scanned in blocks and
-the terms added in another fixed order. Per chunk (:func:`scores_triton`):
+Same scores as the reference (docs/algorithm.md#period-search, the module docstring of
+:mod:`.period_scores`), to fp64 rounding: the chunk-local exclusive prefix ``E`` is formed as the
+reference's (fp64 tile scans plus fp64 tile offsets, over 8M-element chunks instead of 512K) and
+each block's sum, mean and term use the reference's expressions; the tile offsets are scanned in
+blocks and the terms added in another fixed order. Per chunk (:func:`scores_triton`):
 
 1. :func:`_period_prefix_kernel` (one program per ``TILE`` elements): the transform, the
    tile-local inclusive fp64 scans and tile totals, and (Variant L) the tile's part of the
@@ -30,8 +30,7 @@ ints, as the reference does) and sends all of them with one asynchronous copy pe
 nothing is read back until the caller reads the scores.
 
 **Many tensors** (:func:`scores_triton_many`). The per-tensor path cost about 1.3 ms of host
-time per tensor on an H200 (launches, allocations, one pinned copy; kernel-notes.md, tenth
-session), whatever its size. The
+time per tensor on an H200 (launches, allocations, one pinned copy), whatever its size. The
 batched path cuts every tensor into the same chunks and packs chunks of different tensors
 into *rounds* (a tensor's chunks in order, at most one per round, so its carries pass from
 round to round as from chunk to chunk) whose tile scans fit one scratch buffer of

@@ -1,4 +1,5 @@
-"""PyTorch building blocks of the codeword search (§1.9), shared by every reference op.
+"""PyTorch building blocks of the codeword search (docs/algorithm.md#quantizer), shared by every
+reference op.
 
 Kept apart from :mod:`gefen_kernels.ops.quantize` so the step references can use them without
 going through the custom-op layer.
@@ -23,7 +24,8 @@ def _lshr(z: Tensor, k: int) -> Tensor:
 
 
 def sr_uniform_int64(seed: int | Tensor, index: Tensor) -> Tensor:
-    """§1.9 hash: fp32 uniforms in [0, 1) with 24 random bits, from int64 ``index``.
+    """docs/algorithm.md#stochastic-rounding hash: fp32 uniforms in [0, 1) with 24 random bits, from
+    int64 ``index``.
 
     ``seed`` is a Python int (two's complement) or an int64 tensor broadcastable to ``index``.
     All arithmetic is int64 with wrapping multiplication, i.e. arithmetic modulo 2**64.
@@ -38,7 +40,8 @@ def sr_uniform_int64(seed: int | Tensor, index: Tensor) -> Tensor:
 
 
 def _lower_bound(x: Tensor, codebook: Tensor) -> Tensor:
-    """``searchsorted(codebook, x, right=False)`` via the §1.8.4 bucket table (int32 result).
+    """``searchsorted(codebook, x, right=False)`` via the docs/algorithm.md#quantizer bucket table
+    (int32 result).
 
     Every codeword below ``L[b]`` is below ``x`` and every one from ``L[b + 1]`` on is above
     it (see :mod:`gefen_kernels.ops._search_table`), so a branchless binary search over the
@@ -71,7 +74,8 @@ def _lower_bound(x: Tensor, codebook: Tensor) -> Tensor:
 
 
 def _brackets(x: Tensor, codebook: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """lower_bound, R = clamp(j, 0, K-1), L = max(R-1, 0) (§1.9) for fp32 ``x``."""
+    """lower_bound, R = clamp(j, 0, K-1), L = max(R-1, 0) (docs/algorithm.md#quantizer) for fp32
+    ``x``."""
     j = _lower_bound(x, codebook)
     right = j.clamp_(max=NUM_CODEWORDS - 1)
     left = (right - 1).clamp_(min=0)
@@ -96,7 +100,8 @@ def nearest_codes(x: Tensor, codebook: Tensor) -> Tensor:
 def toward_zero_pick_left(x: Tensor, c_left: Tensor, c_right: Tensor,
                           pick_left_nearest: Tensor) -> Tensor:
     """Whether the toward-zero rounding of ``x`` takes ``L`` (else ``R``), from the bracket
-    ``c_left = c[L] <= x <= c[R] = c_right`` of §1.9 (docs/algorithm.md#toward-zero-rounding).
+    ``c_left = c[L] <= x <= c[R] = c_right`` of docs/algorithm.md#toward-zero-rounding
+    (docs/algorithm.md#toward-zero-rounding).
 
     ``x > 0`` takes the largest codeword not above ``x`` (``L`` unless ``c[R] == x``), ``x <= 0``
     the smallest one not below it (``R``): the codeword of largest magnitude not exceeding
@@ -133,9 +138,9 @@ def toward_zero_codes(x: Tensor, codebook: Tensor) -> Tensor:
 
 def round_codes(x: Tensor, codebook: Tensor, zero_grad: Tensor | None, *,
                 stochastic: bool, u: Tensor | None = None) -> Tensor:
-    """The §1.9 codes of fp32 ``x`` (1-D) for a step: nearest or stochastic rounding, and
-    toward-zero rounding where ``zero_grad`` (bool, same shape) marks an exactly-zero gradient
-    (docs/algorithm.md#toward-zero-rounding). Int64 codes."""
+    """The docs/algorithm.md#stochastic-rounding codes of fp32 ``x`` (1-D) for a step: nearest or
+    stochastic rounding, and toward-zero rounding where ``zero_grad`` (bool, same shape) marks an
+    exactly-zero gradient (docs/algorithm.md#toward-zero-rounding). Int64 codes."""
     q = stochastic_codes(x, codebook, u) if stochastic else nearest_codes(x, codebook)
     if zero_grad is not None:
         where = torch.nonzero(zero_grad.reshape(-1)).flatten()
@@ -145,7 +150,8 @@ def round_codes(x: Tensor, codebook: Tensor, zero_grad: Tensor | None, *,
 
 
 def stochastic_codes(x: Tensor, codebook: Tensor, u: Tensor) -> Tensor:
-    """Stochastic rounding (§1.9) of fp32 ``x`` with fp32 uniforms ``u``; NaN -> 0."""
+    """Stochastic rounding (docs/algorithm.md#stochastic-rounding) of fp32 ``x`` with fp32 uniforms
+    ``u``; NaN -> 0."""
     if x.dim() != 1:
         u = u.expand(x.shape).reshape(-1)
         return stochastic_codes(x.reshape(-1), codebook, u).view(x.shape)

@@ -1,4 +1,5 @@
-"""The codebook search table of ALGORITHM.md §1.8.4 (acceleration only; never changes a code).
+"""The codebook search table of docs/algorithm.md#quantizer (acceleration only; never changes a
+code).
 
 ``L[b]`` (int32, ``b = 0 .. 4096``) counts the codewords whose bucket
 ``clamp(floor((c + 1) * 2048), 0, 4095)`` (fp32) is below ``b``. For any ``x``, the lower bound
@@ -18,8 +19,8 @@ The Triton kernels use a packed form of the same table (:func:`kernel_table`, in
 codeword (``L[b + 1] > L[b]``), else of ``+inf`` (the one probe of a single-step search reads it
 instead of the codebook; ``+inf < x`` is false for every ``x``, as an empty range never moves).
 Entry ``4097 + j`` holds the bit patterns of ``c[max(j - 1, 0)]`` (low) and ``c[j]`` (high): the
-two codewords around ``R = j`` of §1.9 in one load. Only bit patterns are copied: the kernels
-compare and subtract exactly the codewords the codebook holds.
+two codewords around ``R = j`` of docs/algorithm.md#quantizer in one load. Only bit patterns are
+copied: the kernels compare and subtract exactly the codewords the codebook holds.
 
 Nearest rounding usually takes the decision table of :mod:`._decision_table` instead (one
 lookup, no search): :func:`kernel_table` chooses.

@@ -220,8 +220,9 @@ def _update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, offs, mask, ncols, nco
 
 @jit
 def _factored_sigma(r, k, inv_rbar_ptr, bc2, bc1, eps):  # type: ignore[no-untyped-def]
-    """§1.11's ``V = f32(f32(r k) * f32(1/rbar))`` and
-    ``sigma = f32(f32(1/f32(f32(sqrt(f32(V * bc2))) + eps)) * bc1)``, per element."""
+    """``V = f32(f32(r k) * f32(1/rbar))`` and
+    ``sigma = f32(f32(1/f32(f32(sqrt(f32(V * bc2))) + eps)) * bc1)``, per element
+    (docs/algorithm.md#factored-second-moment)."""
     big_v = (r * k) * tl.load(inv_rbar_ptr)
     h = tl.math.sqrt_rn(big_v * bc2)
     h = h + eps
@@ -238,8 +239,7 @@ def _row_update_inputs(p_ptr, row_ptr, col_ptr, inv_rbar_ptr, blocks, bmask, col
     16-byte vectors. The per-element form gathers ``k`` with scalar loads that span 16 cache
     lines per warp instruction (the tile holds 16 consecutive elements per thread). The same
     values, so the same bits; on the H200 the factored tile kernel took 13-16 % less time
-    (bf16 [8192, 8192], P = 2048 and 256: ``docs/results/h200-2026-12-01-session16/
-    call3_ablation.txt``, candidate ``k_rows``)."""
+    (bf16 [8192, 8192], P = 2048 and 256)."""
     brow, bcol = _row_col(blocks * period, ncols, ncols_magic, ncols_shift, OFFS64)
     bcol = tl.multiple_of(bcol, 16)
     r = tl.load(row_ptr + brow, mask=bmask, other=0.0)[:, None]
@@ -282,7 +282,8 @@ def _quantise(q_ptr, cb_ptr, table_ptr, offs, mask, m, zero, s_new, seed_u,  # t
 def _write_param(p_ptr, offs, mask, codeword, s_new, sigma_block, p, big_v, sigma_elem, lr,  # type: ignore[no-untyped-def]
                  decay, FACTORED: tl.constexpr):
     """(lr != 0) The parameter update of ``offs`` from the new codewords and scale:
-    ``p <- fp(fp(p * decay) - f32(f32(c[q'] s' sigma) lr))`` (§1.10 step 5)."""
+    ``p <- fp(fp(p * decay) - f32(f32(c[q'] s' sigma) lr))`` (docs/algorithm.md#block-second-moment
+    step 5)."""
     if lr != 0.0:
         mhat = codeword * s_new
         if FACTORED:
@@ -597,8 +598,7 @@ def flat_update(factored: bool, period: int, ncols: int, offs64: bool) -> bool:
 
     The tile otherwise finds each element's row and column and gathers its column statistic
     alone, and a period that does not fill its power-of-two tile runs masked lanes through
-    the whole update. On an H200 (bf16, ``scripts/split_step_probe.py``,
-    ``docs/results/h200-2026-12-02-session20/call3_probe.txt``) the two passes took 0.160
+    the whole update. On an H200 (bf16) the two passes took 0.160
     against 0.208 ms at P = 1536 on 2304 columns, 0.206 against 0.291 ms at P = 1392 on 768
     and 0.225 against 0.233 ms at P = 1152 on 3072 (a head-and-tail tile), with the same
     bits. Where blocks lie in rows the fused tile stays: the split gained only 3.5 % there,
@@ -609,8 +609,7 @@ def flat_update(factored: bool, period: int, ncols: int, offs64: bool) -> bool:
 
 def tile_warps(elements: int) -> int:
     """Warps of a tile-route program holding ``elements`` elements. Four for the usual
-    2048-element tile: on an H200 (scripts/kernel_sweep.py,
-    docs/results/h200-2026-11-29-run3/kernel_sweep.txt) a [8192, 2048] bf16 step took
+    2048-element tile: on an H200 a [8192, 2048] bf16 step took
     0.154 ms with 4 warps against 0.187 ms with 8 (block mode) and 0.263 against 0.401 ms
     (factored); the wider 4096-element tiles keep 8."""
     return 4 if elements <= 2048 else 8
@@ -630,8 +629,7 @@ def tile_shape(period: int, factored: bool) -> tuple[int, int, int]:
     16: 1152 (GPT-2's most common searched period) runs on 1024 + 128 lanes instead of 2048.
     On the H200 this took the factored tile kernel from 0.609 to 0.394 ms at P = 1152 and from
     0.519 to 0.441 ms at 1280; a tail at 1344 or 1536 (up to ``3 P2 / 4``) took only 3-4 % off,
-    not worth a launch class of its own (``docs/results/h200-2026-12-01-session17/
-    call7_ablation.txt``). Block mode keeps one tile: a tail would reorder its sum of
+    not worth a launch class of its own. Block mode keeps one tile: a tail would reorder its sum of
     squares."""
     p2 = _next_pow2(period)
     bpp = max(1, program_elements(TILE_ELEMENTS) // p2)

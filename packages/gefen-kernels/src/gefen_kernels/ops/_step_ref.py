@@ -1,4 +1,5 @@
-"""The chunked PyTorch step shared by the block and factored references (§1.10, §1.11).
+"""The chunked PyTorch step shared by the block and factored references
+(docs/algorithm.md#block-second-moment, docs/algorithm.md#factored-second-moment).
 
 One implementation of the momentum re-quantisation and parameter write; the two modes differ
 only in the denominator ``sigma`` (per block, or per element from row/column statistics). The

@@ -65,8 +65,7 @@ def tl_codewords(cb_ptr, code):  # type: ignore[no-untyped-def]
     Where Triton can compile it (:func:`gefen_kernels._triton.gather_supported`), a gather
     from a register copy of the 256 codewords instead of from global memory: the same values,
     5-18% off the step tile kernel in block mode and 4-9% in factored mode on the H200 when it
-    replaced the momentum's codeword load (``docs/results/h200-2026-11-29-run6/
-    ablation_codewords.txt``)."""
+    replaced the momentum's codeword load."""
     if GATHER:
         out = _gather(tl.load(cb_ptr + tl.arange(0, 256)), code)
     else:
@@ -90,7 +89,8 @@ def tl_codeword_upper(x, cb_ptr):
 
 @jit
 def _bucket(x):
-    """The §1.8.4 bucket ``clamp(floor((x + 1) * 2048), 0, 4095)`` of fp32 ``x`` (NaN: 0)."""
+    """The docs/algorithm.md#quantizer bucket ``clamp(floor((x + 1) * 2048), 0, 4095)`` of fp32
+    ``x`` (NaN: 0)."""
     b = tl.floor((x + 1.0) * 2048.0)
     b = tl.minimum(tl.maximum(b, 0.0), 4095.0)
     return tl.where(x != x, 0.0, b).to(tl.int32)
@@ -110,8 +110,8 @@ def _high_float(bits64):
 
 @jit
 def tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``(L, R, c[L], c[R])`` of §1.9 for fp32 ``x``: ``R = min(lower_bound(c, x), 255)``,
-    ``L = max(R - 1, 0)``.
+    """``(L, R, c[L], c[R])`` of docs/algorithm.md#quantizer for fp32 ``x``: ``R =
+    min(lower_bound(c, x), 255)``, ``L = max(R - 1, 0)``.
 
     ``STEPS = 0``: full 8-probe search over ``cb_ptr`` and two codebook gathers.
     ``STEPS > 0``: ``table_ptr`` is the packed int64 table of
@@ -182,11 +182,10 @@ def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr, zero):  # typ
     then gathered from a register copy of the codebook (:func:`tl_codewords`, as for the
     momentum's old codeword) instead of read from the pair word: one random 8-byte load per
     element instead of two, the same ``c[q]`` bits. On the H200 (Triton 3.6) this took the
-    step tile kernel (bf16 [8192, 8192]) from 0.569 to 0.409 ms (factored, P = 2048), 0.541 to
-    0.395 (factored, P = 256), 0.424 to 0.323 (block, P = 2048) and 0.392 to 0.288 ms (block,
-    P = 256), with bit-identical codes, scales and parameters
-    (``docs/results/h200-2026-11-30-lookup/ablation_lookup.txt``, variant ``pair_load``
-    against ``base``). Without the gather the pair word is loaded as before.
+    step tile kernel (bf16 [8192, 8192]) from 0.569 to 0.409 ms (factored, P = 2048), 0.541 to 0.395
+    (factored, P = 256), 0.424 to 0.323 (block, P = 2048) and 0.392 to 0.288 ms (block, P = 256),
+    with bit-identical codes, scales and parameters. Without the gather the pair word is loaded as
+    before.
 
     ``STEPS >= 0``: the bracket search of :func:`tl_codeword_bracket`.
     """
@@ -234,7 +233,8 @@ def tl_quantize_nearest(x, cb_ptr, table_ptr, STEPS: tl.constexpr, zero):  # typ
 
 @jit
 def tl_sr_uniform(seed_u64, index):
-    """§1.9 splitmix64 hash of ``seed + 0x9E3779B97F4A7C15 * (index + 1)`` -> fp32 in [0, 1).
+    """docs/algorithm.md#stochastic-rounding splitmix64 hash of ``seed + 0x9E3779B97F4A7C15 * (index
+    + 1)`` -> fp32 in [0, 1).
 
     ``index``: int32 or int64 (sign-extended). uint64 arithmetic wraps modulo 2**64 and shifts
     are logical, as the hash requires.
@@ -248,9 +248,10 @@ def tl_sr_uniform(seed_u64, index):
 
 @jit
 def tl_quantize_stochastic(x, cb_ptr, table_ptr, STEPS: tl.constexpr, seed_u64, index, zero):  # type: ignore[no-untyped-def]
-    """Stochastic rounding (§1.9) of fp32 ``x`` using ``U(seed, index)``: ``(index (int32),
-    codeword (fp32))``; NaN -> 0. Where ``zero`` holds (an exactly-zero gradient), toward-zero
-    rounding instead (docs/algorithm.md#toward-zero-rounding), from the same bracket."""
+    """Stochastic rounding (docs/algorithm.md#stochastic-rounding) of fp32 ``x`` using ``U(seed,
+    index)``: ``(index (int32), codeword (fp32))``; NaN -> 0. Where ``zero`` holds (an exactly-zero
+    gradient), toward-zero rounding instead (docs/algorithm.md#toward-zero-rounding), from the same
+    bracket."""
     left, right, c_left, c_right = tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS)
     width = c_right - c_left
     clamped = tl.minimum(tl.maximum(x, c_left), c_right)

@@ -1,4 +1,4 @@
-"""Fused Gefen step, block second-moment mode (ALGORITHM.md §1.10, §3.5).
+"""Fused Gefen step, block second-moment mode (docs/algorithm.md#block-second-moment).
 
 For one parameter viewed as ``B`` blocks of ``P`` consecutive elements (row-major flattening),
 in place on ``param``, ``codes``, ``scale`` and ``exp_avg_sq``:
@@ -61,7 +61,8 @@ def block_step_reference(
     hyper: Tensor | None = None,
     seed_tensor: Tensor | None = None,
 ) -> None:
-    """PyTorch reference of the block-mode step (§1.10 steps 1, 3, 4, 5), in place.
+    """PyTorch reference of the block-mode step (docs/algorithm.md#block-second-moment steps 1, 3,
+    4, 5), in place.
 
     Args:
         param: contiguous, ``N`` elements, fp32/bf16/fp16, or fp64 (then the momentum and
@@ -75,8 +76,9 @@ def block_step_reference(
         bc1_recip: ``1 / (1 - beta1**step)``; bc2_rsqrt: ``1 / sqrt(1 - beta2**step_v)``;
             decay: ``1 - lr * weight_decay`` (host fp64, rounded to fp32 here).
         maximize: step along ``+grad``.
-        stochastic_round: stochastic rounding of the new codes (§1.9) with ``seed`` (the
-            salted 64-bit seed) or ``seed_tensor`` and ``idx`` = flat element index.
+        stochastic_round: stochastic rounding of the new codes
+            (docs/algorithm.md#stochastic-rounding) with ``seed`` (the salted 64-bit seed) or
+            ``seed_tensor`` and ``idx`` = flat element index.
         hyper: optional fp32 ``[4]`` ``[lr, bc2_rsqrt, bc1_recip, decay]`` on the device,
             replacing the four floats (capturable; no host synchronisation).
         seed_tensor: optional int64 ``[1]`` on the device replacing ``seed``.

@@ -1,4 +1,4 @@
-"""Fused Gefen step, factored second-moment mode (ALGORITHM.md §1.11, §3.7).
+"""Fused Gefen step, factored second-moment mode (docs/algorithm.md#factored-second-moment).
 
 For a 2-D parameter ``[R, C]`` whose momentum is kept in ``B`` blocks of ``P`` elements of the
 row-major flattening (as in block mode), in place on ``param``, ``codes``, ``scale``,
@@ -12,13 +12,14 @@ row-major flattening (as in block mode), in place on ``param``, ``codes``, ``sca
    with ``mhat = 0`` where ``V_ij == 0`` (see the non-finite/zero policy in
    :mod:`gefen_kernels._numerics`: rows and columns whose gradient was always zero never move).
 
-Row-sharded parameters (a ``Shard(0)`` DTensor's local rows, ALGORITHM.md §1.11 / §8.5) split
-steps 1-2 at the one place that needs the other shards: :func:`factored_partial_stats` computes,
-without mutating anything, this shard's ``r'`` (its rows are complete locally), the column sums
-of ``g^2`` over its rows and ``sum(r')``; the caller sums the last ``C + 1`` values over the
-shards (one all-reduce, outside this package) and passes them back as ``stats`` with the global
-row count to :func:`factored_step`, which then applies ``k'``/``rbar`` and the update. With one
-shard and no reduction the result is bit-identical to the one-call step.
+Row-sharded parameters (a ``Shard(0)`` DTensor's local rows,
+docs/algorithm.md#factored-second-moment, docs/algorithm.md#distributed) split steps 1-2 at the one
+place that needs the other shards: :func:`factored_partial_stats` computes, without mutating
+anything, this shard's ``r'`` (its rows are complete locally), the column sums of ``g^2`` over its
+rows and ``sum(r')``; the caller sums the last ``C + 1`` values over the shards (one all-reduce,
+outside this package) and passes them back as ``stats`` with the global row count to
+:func:`factored_step`, which then applies ``k'``/``rbar`` and the update. With one shard and no
+reduction the result is bit-identical to the one-call step.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def _finalize_reference(row: Tensor, col: Tensor, stats: Tensor, global_rows: in
 
 def factored_partial_stats_reference(param: Tensor, grad: Tensor, exp_avg_sq_row: Tensor,
                                      exp_avg_sq_col: Tensor, *, beta2: float) -> Tensor:
-    """This shard's part of §1.11 steps 1-2, for a row-sharded parameter; mutates nothing.
+    """This shard's part of docs/algorithm.md#factored-second-moment steps 1-2, for a row-sharded
+    parameter; mutates nothing.
 
     Args:
         param, grad: the local rows ``[R, C]`` (contiguous; grad any float dtype).
@@ -271,7 +273,8 @@ def factored_step_reference(
     stats: Tensor | None = None,
     global_rows: int | None = None,
 ) -> None:
-    """PyTorch reference of the factored-mode step (§1.11), in place.
+    """PyTorch reference of the factored-mode step (docs/algorithm.md#factored-second-moment), in
+    place.
 
     Args:
         param, grad: contiguous ``[R, C]``; param fp32/bf16/fp16 or fp64 (fp64 arithmetic,
@@ -339,8 +342,8 @@ _STATS_CB = 256  # columns per tile: one warp's 32 lanes x 8 bf16 (16-byte vecto
 _STATS_PROGRAMS = 2048  # about 15 programs per SM on a 132-SM H200 (short last wave)
 # Row strips of at least this many [RB, CB] chunks where the rows allow: a strip's column sums
 # stay in registers from chunk to chunk and are reduced across warps and stored once per
-# strip, not once per chunk. Part of the layout: it sets the column sums' order. H200
-# (docs/results/h200-2026-11-30-strips/), grouped statistics + finalize of the Llama-3.2-1B
+# strip, not once per chunk. Part of the layout: it sets the column sums' order. H200,
+# grouped statistics + finalize of the Llama-3.2-1B
 # 2-D set: 3.23 ms with one chunk per strip (the layout before 2026-11-30), 1.46 with 4, 1.16
 # with 8, 1.01 with 16, 0.95 with 32. Taller strips leave fewer programs, which a one-tensor
 # launch feels: bf16 [2048, 8192] alone took 0.08 ms with 1 or 8 chunks, 0.15 with 16. 8 was
@@ -353,14 +356,14 @@ _STATS_STRIP_CHUNKS = 8
 # (_STATS_CHUNKS) to amortise its start and keep the next chunk's load in flight, but at
 # least _STATS_MIN_PROGRAMS programs per tensor while items allow, so one tensor still fills
 # the GPU. Speed only: the sums do not depend on these. H200 sweep (bit-identical, within 3%
-# of each other; docs/results/h200-2026-11-30-stats/): 4, 8 or 16 chunks alike; 256 minimum
+# of each other): 4, 8 or 16 chunks alike; 256 minimum
 # programs 1-2% faster than 512 on every case (not yet adopted: one run).
 _STATS_CHUNKS = 8
 _STATS_MIN_PROGRAMS = 512
 # Prefetch the next chunk (one more chunk of registers: 80 -> 99 registers for bf16, still two
 # 8-warp programs per SM) for gradients of at most this many bytes per element. Speed only. On
 # the H200 fp32 gradients also gained from it (4 x [8192, 2048]: 0.193 -> 0.174 ms, 128 -> 173
-# registers; docs/results/h200-2026-11-30-stats/), not adopted untested with the GPU suite.
+# registers), not adopted untested with the GPU suite.
 _STATS_PREFETCH_MAX_BYTES = 2
 _STATS_MAX_ROW_PROGRAMS = 512  # bounds the column partials the finalize sums per column
 _STATS_MAX_SPLITS = 1024  # bounds the row partials the finalize sums per row
@@ -439,8 +442,7 @@ def _stats_program(pid, g_ptr, row_part_ptr, col_part_ptr, ticket_ptr, nrows, nc
     order of every sum are those of the one-item loop (``acc`` restarts from zeros at each
     tile, the row sums of a split's first tile add to a masked 0.0).
 
-    Measured on an H200 (Triton 3.6, ``scripts/stats_kernel_bench.py``,
-    ``docs/results/h200-2026-11-30-stats/``), grouped statistics + finalize launch, old (one
+    Measured on an H200 (Triton 3.6), grouped statistics + finalize launch, old (one
     item per program, no prefetch) -> this: 16 x bf16 ``[8192, 2048]`` 0.978 -> 0.842 ms,
     16 x ``[2048, 8192]`` 0.954 -> 0.814 ms, ``[128256, 2048]`` 0.317 -> 0.222 ms (1.66 -> 2.37
     TB/s of gradient read; copy 4.28 TB/s), the Llama-3.2-1B 2-D set 3.51 -> 3.13 ms, 4 x fp32
@@ -729,9 +731,10 @@ _FIN_CONSTS = dict(FR=_FIN_ROWS, SR=_FIN_SR, FC=_FIN_COLS, SP=_FIN_SP, FT=_FIN_T
 def factored_stats_triton(grad: Tensor, exp_avg_sq_row: Tensor, exp_avg_sq_col: Tensor, *,
                           beta2: float,
                           layout: tuple[int, int, int, int, int] | None = None) -> Tensor:
-    """Steps 1-2 of §1.11 in two launches: the r/k EMA in place; returns ``1/rbar`` as an fp32
-    ``[1]`` device tensor. One allocation (the partials), no host synchronisation, no torch op
-    in between. ``grad`` is ``[R, C]`` contiguous fp32/bf16/fp16; ``layout`` is
+    """Steps 1-2 of docs/algorithm.md#factored-second-moment in two launches: the r/k EMA in place;
+    returns ``1/rbar`` as an fp32 ``[1]`` device tensor. One allocation (the partials), no host
+    synchronisation, no torch op in between. ``grad`` is ``[R, C]`` contiguous fp32/bf16/fp16;
+    ``layout`` is
     :func:`stats_layout` of its shape (computed here when not given).
 
     The EMA is the reference's expression (:func:`_ema`), so ``r``/``k`` differ from it only

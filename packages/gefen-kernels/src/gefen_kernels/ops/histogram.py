@@ -311,11 +311,11 @@ def histogram_sum(grads: Sequence[Tensor], periods: Sequence[int], *,
     """Summed histogram of many gradients, each with its own period; int64 ``[4097]`` on the CPU
     (bins 0-4095, then the zero bin).
 
-    The codebook pass of a whole model (ALGORITHM.md §1.8.1-§1.8.2): each gradient's counts are
-    added into one int64 accumulator per device (exact, order-independent integer sums) and each
-    accumulator is copied to the host once. On the Triton path a device's contiguous gradients
-    share fp32 bin buffers of up to 16M elements, counted without a host sync: a model's pass
-    costs one sync per device.
+    The codebook pass of a whole model (docs/algorithm.md#codebook, docs/algorithm.md#histogram):
+    each gradient's counts are added into one int64 accumulator per device (exact, order-independent
+    integer sums) and each accumulator is copied to the host once. On the Triton path a device's
+    contiguous gradients share fp32 bin buffers of up to 16M elements, counted without a host sync:
+    a model's pass costs one sync per device.
 
     Args:
         grads: float tensors (any float dtype and device; a non-contiguous one is copied once by

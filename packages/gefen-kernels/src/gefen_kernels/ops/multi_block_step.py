@@ -1,4 +1,5 @@
-"""Block-mode Gefen step over a list of tensors in few launches (ALGORITHM.md §1.10, §3.5).
+"""Block-mode Gefen step over a list of tensors in few launches
+(docs/algorithm.md#block-second-moment).
 
 Models such as GPT-2 have ~150 parameter tensors, many small: one launch per tensor makes a
 step launch-bound. ``multi_block_step`` groups the tensors by (parameter dtype, gradient dtype,

@@ -1,4 +1,5 @@
-"""Quantized Muon momentum: EMA on the codes, re-quantisation, dense output (ALGORITHM.md §3.8).
+"""Quantized Muon momentum: EMA on the codes, re-quantisation, dense output
+(docs/algorithm.md#gefenmuon).
 
 For one matrix viewed as ``B`` blocks of ``P`` consecutive elements (row-major flattening),
 in place on ``codes`` and ``scale``, and returning the dense momentum ``U`` that Muon
@@ -8,11 +9,11 @@ optimizer):
 1. ``m_i = beta * s_b * c[q_i] + (1 - beta) * g_i``   (fp32; the one EMA definition of
    :func:`gefen_kernels._numerics.momentum_ema`, separately rounded products)
 2. ``s'_b = max_{i in b} |m_i|``; ``q'_i = quantize(m_i / s'_b)`` (0 where ``s'_b = 0``;
-   nearest or stochastic rounding, §1.9)
+   nearest or stochastic rounding, docs/algorithm.md#stochastic-rounding)
 3. ``u_i = fp( f32( fp(c[q'_i]) * s'_b ) )``: the codeword is rounded to the gradient dtype
-   ``fp`` before scaling (§3.8), so the output is the *re-quantized* momentum
+   ``fp`` before scaling (docs/algorithm.md#gefenmuon), so the output is the *re-quantized* momentum
 4. with ``nesterov``: ``u_i = fp( f32( f32((1 - beta) * g_i) + fp(f32(u_i * beta)) ) )``
-   (§3.8 writes an fma; this project rounds every product separately everywhere, see
+   (no fma: every product is rounded separately, as everywhere in
    :mod:`gefen_kernels._numerics`). The state keeps the plain EMA.
 
 The arithmetic is fp32 for fp32/bf16/fp16 gradients (decision O10: the reference
@@ -75,7 +76,8 @@ def muon_momentum_reference(
     seed_tensor: Tensor | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
-    """PyTorch reference of the quantized Muon momentum step (§3.8), codes/scale in place.
+    """PyTorch reference of the quantized Muon momentum step (docs/algorithm.md#gefenmuon),
+    codes/scale in place.
 
     Args:
         grad: contiguous, ``N`` elements, fp32/bf16/fp16/fp64 (fp64: fp64 arithmetic).
@@ -85,9 +87,10 @@ def muon_momentum_reference(
         beta: the momentum ``β`` in ``[0, 1)``.
         nesterov: return the Nesterov look-ahead ``β·U + (1 - β)·g`` instead of ``U``.
         maximize: use ``-grad``.
-        stochastic_round: stochastic rounding of the new codes (§1.9) with ``seed`` (the salted
-            64-bit seed) or ``seed_tensor`` (int64 ``[1]`` on the device, capturable), and
-            ``idx`` = flat element index.
+        stochastic_round: stochastic rounding of the new codes
+            (docs/algorithm.md#stochastic-rounding) with ``seed`` (the salted 64-bit seed) or
+            ``seed_tensor`` (int64 ``[1]`` on the device, capturable), and ``idx`` = flat element
+            index.
         out: optional preallocated result (``grad``'s dtype, shape and device, contiguous).
 
     Returns:
@@ -118,7 +121,8 @@ def muon_momentum_reference(
     flat_q = codes.view(-1)
     flat_u = result.view(-1)
     cb = codebook.to(cdt)
-    # The codeword as the gradient dtype sees it (§3.8: rounded before scaling).
+    # The codeword as the gradient dtype sees it (docs/algorithm.md#gefenmuon: rounded before
+    # scaling).
     cb_out = codebook.to(gdt).to(cdt)
     for group in block_groups(num_blocks, period):
         nb = group.stop - group.first

@@ -1,4 +1,4 @@
-"""Period-search scores for every candidate period in one pass (ALGORITHM.md §1.7.2, §1.7.3, §8.2).
+"""Period-search scores for every candidate period in one pass (docs/algorithm.md#period-search).
 
 For a flattened gradient ``g`` (``N`` elements, logical row-major order) and ascending candidate
 periods ``p`` dividing ``N`` (``B_p = N / p`` blocks ``[b*p, (b+1)*p)``):
@@ -11,10 +11,10 @@ periods ``p`` dividing ``N`` (``B_p = N / p`` blocks ``[b*p, (b+1)*p)``):
   ``E(p) = sqrt((1/B_p) sum_b Var_b)``; ``E(1) = 0`` (reported as ``0 * sum(y)`` so that a
   non-finite gradient still shows as a non-finite score).
 
-How (§8 item 2: one pass, no pass and no host sync per candidate). The tensor is read once, in
-chunks of whole elements. Per chunk the transformed values get an fp64 *exclusive prefix sum
-local to the chunk* (``E[0] = 0``, ``E[u] = sum`` of the chunk's first ``u`` values): a flat
-running sum over 10^9 elements would lose the digits that adjacent-block differences need, a
+How (docs/algorithm.md#period-search: one pass, no pass and no host sync per candidate). The tensor
+is read once, in chunks of whole elements. Per chunk the transformed values get an fp64 *exclusive
+prefix sum local to the chunk* (``E[0] = 0``, ``E[u] = sum`` of the chunk's first ``u`` values): a
+flat running sum over 10^9 elements would lose the digits that adjacent-block differences need, a
 chunk-local one loses at most ``eps * chunk * max|x|``. Block ends are multiples of ``p``, so
 every block sum of every candidate is a difference of ``E`` sampled at those multiples, plus the
 partial sum of a block left open by the previous chunk (carried per candidate). All candidates'
@@ -64,7 +64,7 @@ __all__ = [
     "period_scores_triton",
 ]
 
-#: The two score definitions (§1.7.2 Variant L, §1.7.3 Variant V).
+#: The two score definitions (docs/algorithm.md#period-search).
 VARIANTS = ("log_contrast", "variance")
 #: ``epsilon`` inside ``ln(g^2 + epsilon)`` (Appendix A).
 LOG_EPS = 1e-12
@@ -297,7 +297,8 @@ def period_scores_reference(grad: Tensor, candidates: Tensor, variant: str) -> T
             elements in logical row-major order; CPU or CUDA.
         candidates: int64 ``[n]``, strictly ascending positive divisors of ``N`` (any device;
             read on the host). For ``"log_contrast"`` each must leave at least 2 blocks.
-        variant: ``"log_contrast"`` (``S(p)``, §1.7.2) or ``"variance"`` (``E(p)``, §1.7.3).
+        variant: ``"log_contrast"`` (``S(p)``, docs/algorithm.md#period-search) or ``"variance"``
+        (``E(p)``, docs/algorithm.md#period-search).
 
     Returns:
         float64 ``[n]`` on ``grad``'s device; non-finite where ``grad`` is (module docstring).
@@ -387,8 +388,8 @@ def multi_period_scores_reference(grads: Sequence[Tensor], candidates: Sequence[
         candidates: one int64 ``[n_i]`` tensor per gradient, strictly ascending positive
             divisors of ``N_i`` (any device; read on the host). For ``"log_contrast"`` each must
             leave at least 2 blocks.
-        variant: ``"log_contrast"`` (``S(p)``, §1.7.2) or ``"variance"`` (``E(p)``, §1.7.3),
-            for every tensor.
+        variant: ``"log_contrast"`` (``S(p)``, docs/algorithm.md#period-search) or ``"variance"``
+            (``E(p)``, docs/algorithm.md#period-search), for every tensor.
 
     Returns:
         One float64 ``[n_i]`` tensor per gradient, on the gradients' device (views of one
@@ -486,7 +487,7 @@ def _multi_period_scores_fake(grads: list[Tensor], candidates: list[Tensor],
 def multi_period_scores(grads: Sequence[Tensor], candidates: Sequence[Tensor],
                         variant: str) -> list[Tensor]:
     """Period scores of many gradients through ``torch.ops.gefen.multi_period_scores``
-    (ALGORITHM.md §1.7.2, §1.7.3; the module docstring).
+    (docs/algorithm.md#period-search; the module docstring).
 
     ``multi_period_scores(grads, candidates, variant)[i]`` equals ``period_scores(grads[i],
     candidates[i], variant)``: on CUDA with Triton available, the scores of all fp32, bf16 and

@@ -1,4 +1,5 @@
-"""Codeword search (ALGORITHM.md §1.9): nearest and stochastic rounding into the codebook.
+"""Codeword search (docs/algorithm.md#stochastic-rounding): nearest and stochastic rounding into the
+codebook.
 
 ``codebook`` is fp32 ``[256]``, sorted ascending, ``c[0] = -1``, ``c[255] = +1``. Inputs are
 converted to fp32. Nearest: ``j = lower_bound(c, x)``, ``R = clamp(j, 0, 255)``,
@@ -56,7 +57,8 @@ def quantize_nearest_reference(x: Tensor, codebook: Tensor) -> Tensor:
 
 
 def sr_uniform_reference(seed: int, index: Tensor) -> Tensor:
-    """The §1.9 counter-based uniform: fp32 in ``[0, 1)`` (multiples of 2**-24), ``index.shape``.
+    """The docs/algorithm.md#stochastic-rounding counter-based uniform: fp32 in ``[0, 1)``
+    (multiples of 2**-24), ``index.shape``.
 
     Args:
         seed: the already-salted 64-bit seed, a Python int in ``[-2**63, 2**63)``.

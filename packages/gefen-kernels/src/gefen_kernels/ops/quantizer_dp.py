@@ -1,4 +1,4 @@
-"""The exact optimal 1-D quantizer's dynamic program (ALGORITHM.md §1.8.3) on the GPU.
+"""The exact optimal 1-D quantizer's dynamic program (docs/algorithm.md#codebook-solver) on the GPU.
 
 Twin of ``gefen_core.codebook.optimal_quantizer_endpoints`` for ``M >= K`` points (the
 problem with the two endpoints forced, as the codebook was before the zero codeword; its
@@ -9,10 +9,10 @@ layers; here each layer is one launch of many programs, and nothing is read back
 itself, with the zero codeword forced (docs/algorithm.md#codebook-solver), is solved on the host
 by ``gefen_core.codebook.optimal_codebook``, which does not call this kernel.
 
-The recurrence (§1.8.3). Points ``1..M`` with fp64 prefix sums ``W, S1, S2`` (index 0 = 0,
-accumulated left to right on the host: :func:`quantizer_prefix`). Segment ``[i..j]`` has
-``w = W[j] - W[i-1]`` (likewise ``s1``, ``s2``), free cost ``s2 - s1*s1/w`` and, with the fixed
-centre ``f``, ``(s2 - 2f*s1) + f*f*w``. Layer 1 is ``D1[j] = (S2[j] + 2*S1[j]) + W[j]``
+The recurrence (docs/algorithm.md#codebook-solver). Points ``1..M`` with fp64 prefix sums ``W, S1,
+S2`` (index 0 = 0, accumulated left to right on the host: :func:`quantizer_prefix`). Segment
+``[i..j]`` has ``w = W[j] - W[i-1]`` (likewise ``s1``, ``s2``), free cost ``s2 - s1*s1/w`` and, with
+the fixed centre ``f``, ``(s2 - 2f*s1) + f*f*w``. Layer 1 is ``D1[j] = (S2[j] + 2*S1[j]) + W[j]``
 (``f = -1``); layers ``k = 2..K-1`` are ``D_k[j] = min_i D_{k-1}[i-1] + (s2 - s1*s1/w)`` over
 ``i = k..j``, the leftmost minimiser (the textbook scans ``i`` upward and replaces only on strict
 improvement), for the rows ``j = k .. k + R - 1`` (``R = M - K + 1``; other rows cannot lead to a
@@ -205,7 +205,8 @@ def _dp_last_layer_kernel(pref_ptr, d_ptr, arg_ptr, code_ptr, cost_ptr,  # type:
 
 def quantizer_prefix(points: Tensor | np.ndarray | Sequence[float],
                      weights: Tensor | np.ndarray | Sequence[float]) -> Tensor:
-    """The fp64 prefix sums ``W, S1, S2`` of §1.8.3 as one CPU tensor ``[3, M + 1]``.
+    """The fp64 prefix sums ``W, S1, S2`` of docs/algorithm.md#codebook-solver as one CPU tensor
+    ``[3, M + 1]``.
 
     Built exactly as ``gefen_core.codebook._LayeredDP`` builds them: column 0 is 0 and the
     sums accumulate left to right on the host (``np.cumsum`` of ``w``, ``w*x`` and
@@ -248,7 +249,7 @@ def optimal_quantizer_dp_triton(prefix: Tensor, k: int, *,
                                 _block: int | None = None) -> tuple[Tensor, Tensor]:
     """Exact optimal ``k``-level quantizer with forced endpoints -1 and +1, on the device.
 
-    ALGORITHM.md §1.8.3 for ``M >= k`` points: the codewords and cost of
+    docs/algorithm.md#codebook-solver for ``M >= k`` points: the codewords and cost of
     ``gefen_core.codebook.optimal_quantizer_endpoints`` (the textbook recurrence's, tie choices
     included), computed on the device in ``k`` launches (module docstring). Asynchronous: no
     host sync; the scratch (about ``4 k (M - k)`` bytes of argmins plus ``O(M)``) is allocated

@@ -1,9 +1,9 @@
 """Grouped launches of planned Gefen steps: a whole parameter list in a few launches
-(ALGORITHM.md §3.5, §3.7).
+(docs/algorithm.md#block-second-moment, docs/algorithm.md#factored-second-moment).
 
 With one :class:`.step_plan.StepPlan` launch per tensor, a Llama-3.2-1B-shaped step issued
 about 375 Triton launches, and Triton's Python launcher (tens of µs each) made the eager step
-host-bound (H200 run 4, ``docs/internals/kernel-notes.md``). :class:`StepGroups` sorts a list of
+host-bound on an H200 (``docs/internals/kernels.md``). :class:`StepGroups` sorts a list of
 plans once into classes that one kernel variant serves (mode, dtypes, tile shape, statistics
 tile, alignment) and launches each class as one tile launch (block mode) or one statistics, one
 finalize and one tile launch per chunk of factored tensors whose scratch fits
@@ -13,10 +13,10 @@ blocks cross rows: :func:`._step_kernels.flat_update`). Factored plans of the ot
 same way, and then launch their update alone (:meth:`.step_plan.StepPlan.launch_update`, with
 ``1/rbar`` from the group's scratch): on an H200 the statistics of one bf16 ``[2048, 8192]``
 gradient alone read it at about 0.4 TB/s, those of 16 such gradients in one launch at about
-1.4 TB/s (``docs/results/h200-2026-11-30-strips/``). Block-mode plans of those routes launch
+1.4 TB/s. Block-mode plans of those routes launch
 one by one.
 
-On CUDA the launches use more than one stream (``docs/results/h200-2026-12-01-session18/``):
+On CUDA the launches use more than one stream (``docs/internals/kernels.md``, "Streams"):
 the small classes (:data:`SIDE_PROGRAMS`) run on a high-priority side stream, and the large
 classes' chunks are dealt round-robin over the current stream and ``CHAIN_STREAMS - 1`` others
 (three streams in all with the default ``CHAIN_STREAMS = 2``), so no chunk waits for an
@@ -102,8 +102,8 @@ CHAIN_STREAMS = 2
 # factored) fits SIDE_SCRATCH_BYTES, runs on a high-priority side stream beside the larger
 # classes (CUDA only, and only where a larger class exists). Such a launch is bound by its
 # own latency, not by the device: a CUDA graph of GPT-2 small's step ran twelve block-mode
-# launches of 5-9 µs each (about 80 µs of a 1.13 ms step) one after another
-# (docs/results/h200-2026-12-01-session17/call8_profile_gpt2.txt). About one wave of the tile
+# launches of 5-9 µs each (about 80 µs of a 1.13 ms step) one after another (an H200
+# profile). About one wave of the tile
 # kernel (132 SMs, six 4-warp programs each at its 37.5 % occupancy).
 # 0 keeps every class off the side stream.
 SIDE_PROGRAMS = 1024

@@ -1,5 +1,5 @@
 """Cached launches of the fused Gefen step, for an optimizer that steps the same tensors every
-step (ALGORITHM.md §1.10, §1.11, §3.5, §3.7).
+step (docs/algorithm.md#block-second-moment, docs/algorithm.md#factored-second-moment).
 
 The public ops (``block_step``, ``factored_step``) validate every argument and go through the
 ``torch.ops.gefen`` dispatcher on every call: right for a library entry point and for

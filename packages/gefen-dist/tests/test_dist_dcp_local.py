@@ -20,7 +20,8 @@ def _trained(steps: int = 3, factored: bool = False):
     from gefen_core import Gefen
 
     model = make_model(seed=0)
-    opt = Gefen(model.named_parameters(), lr=LR, factored_v_2d=factored)
+    opt = Gefen(model.named_parameters(), lr=LR, factored_v_2d=factored,
+                 min_dim_size_to_factor=0)
     data = batches(steps + 2, batch=2, seq=16, seed=5)
     train(model, opt, data[:steps])
     return model, opt, data[steps:]
@@ -30,7 +31,8 @@ def _fresh(factored: bool = False):
     from gefen_core import Gefen
 
     model = make_model(seed=0)
-    return model, Gefen(model.named_parameters(), lr=LR, factored_v_2d=factored)
+    return model, Gefen(model.named_parameters(), lr=LR, factored_v_2d=factored,
+                 min_dim_size_to_factor=0)
 
 
 def _state_bytes(opt) -> dict:

@@ -163,8 +163,8 @@ def test_captured_step_replays_the_eager_steps(name: str) -> None:
 def test_worker_failure_is_reported_verbatim() -> None:
     out = run_job({"kind": "nonsense"}, timeout_s=60)
     assert out.status == "failed"
-    assert out.error == ("ValueError: unknown job kind 'nonsense'; expected lm, digits, arch "
-                         "or step")
+    assert out.error == ("ValueError: unknown job kind 'nonsense'; expected lm, digits, arch, "
+                         "step or sweep")
 
 
 def test_digits_mlp_shapes_and_size() -> None:

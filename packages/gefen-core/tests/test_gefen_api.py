@@ -142,7 +142,7 @@ def test_dispatch_on_cpu_and_explicit_fused_refusal() -> None:
                                            "'weight'.*CUDA"):
         Gefen(model.named_parameters(), fused=True)
     # fp64 is refused by the fused path too, whatever the device.
-    from gefen_core._dispatch import fused_blocker
+    from gefen_core.dispatch import fused_blocker
 
     assert fused_blocker(torch.zeros(2, dtype=torch.float64)) is not None
 

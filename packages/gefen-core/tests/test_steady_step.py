@@ -20,11 +20,12 @@ from typing import Any
 import pytest
 import torch
 
-from gefen_core import Gefen, _dispatch, _steady_step, functional
+from gefen_core import Gefen, _steady_step, functional
+from gefen_core import dispatch as _dispatch
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available()
-    or not __import__("gefen_kernels").ops._dispatch.interpret_mode(),
+    or not __import__("gefen_kernels").ops._device.interpret_mode(),
     reason="runs the fused path on CPU tensors: needs TRITON_INTERPRET=1 and no CUDA")
 
 

@@ -1,4 +1,4 @@
-"""Graph-replayed eager fused steps (``gefen_core._step_graphs``: the full step's per-plan
+"""Graph-replayed eager fused steps (``gefen_kernels.ops._step_graphs``: the full step's per-plan
 launches and the steady step's grouped launches) against eager launches.
 
 A replay must give the eager step's bits, and must not replay when any captured address moved
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gefen_core import Gefen, _step_graphs
+from gefen_core import Gefen
+from gefen_kernels.ops import _step_graphs
 
 pytestmark = [
     pytest.mark.gpu,

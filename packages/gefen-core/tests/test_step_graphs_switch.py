@@ -1,11 +1,11 @@
-"""Graph replay of eager fused steps is opt-in (``gefen_core._step_graphs``): off unless
+"""Graph replay of eager fused steps is opt-in (``gefen_kernels.ops._step_graphs``): off unless
 ``GEFEN_CUDA_GRAPHS=1``, so the default step is the eager launches."""
 
 from __future__ import annotations
 
 import pytest
 
-from gefen_core import _step_graphs
+from gefen_kernels.ops import _step_graphs
 
 
 @pytest.mark.parametrize(("value", "expected"), [(None, False), ("0", False), ("", False),

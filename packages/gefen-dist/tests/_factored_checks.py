@@ -91,7 +91,7 @@ def factored_training(rank: int, world: int) -> dict:
     fsdp = dict(model.named_parameters())
     # The factoring rule reads the global shape (docs/algorithm.md#factoring-rule): registers
     # [3, 32] has at most 2 rows on a rank but 3 in all.
-    from gefen_core import _dispatch
+    from gefen_core import dispatch as _dispatch
 
     rule = {"factored_v_2d": True, "min_dim_size_to_factor": 3}
     out_rule = [_dispatch.is_factored(fsdp["registers"], rule, sharded=True),

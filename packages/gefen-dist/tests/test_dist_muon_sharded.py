@@ -270,7 +270,7 @@ def _failure_worker(rank: int, world: int) -> dict:
             if isinstance(v, torch.Tensor)) for i, entry in live["state"].items())
     # A GradScaler overflow seen on one rank only: every rank skips the step (a rank that
     # stepped alone would wait in a gather the others never enter), both optimizers.
-    from gefen_core import _amp
+    from gefen_core import amp as _amp
     from gefen_dist import ShardedGefenMuonHybrid
 
     real = _amp.overflow_and_inverse_scale

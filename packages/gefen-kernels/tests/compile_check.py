@@ -171,7 +171,7 @@ def record_launches(scenarios: Iterator[Callable[[], None]]) -> list[Launch]:
     """Run each scenario with ``JITFunction.run`` patched to record instead of launching."""
     from triton.runtime.jit import JITFunction
 
-    from gefen_kernels.ops import _dispatch
+    from gefen_kernels.ops import _device as _dispatch
 
     recorded: list[Launch] = []
     seen: set[tuple[Any, ...]] = set()

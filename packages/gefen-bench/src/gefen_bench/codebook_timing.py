@@ -112,7 +112,7 @@ def _pruning(counts: torch.Tensor) -> dict[str, Any]:
     the chosen number of codewords at or below 0 (``k_left``, the zero codeword counted), the
     final window of that number, the rows both sides computed over the rows of the layers they
     ran, and the row bound over the optimum."""
-    from gefen_core.codebook import HISTOGRAM_BINS, _solve_forced_zero, histogram_bin_centers
+    from gefen_core.codebook import HISTOGRAM_BINS, histogram_bin_centers, solve_forced_zero
 
     c = counts.numpy()
     active = np.flatnonzero(c[:HISTOGRAM_BINS])
@@ -122,7 +122,7 @@ def _pruning(counts: torch.Tensor) -> dict[str, Any]:
         at = int(np.searchsorted(x, 0.0))
         x, w = np.insert(x, at, 0.0), np.insert(w, at, float(c[HISTOGRAM_BINS]))
     stats: dict[str, Any] = {}
-    _solve_forced_zero(x, w, 256, stats)
+    solve_forced_zero(x, w, 256, stats)
     return {"k_left": stats["k_left"], "window": list(stats["window"]),
             "rows_fraction": stats["rows_computed"] / stats["rows_of_layers"],
             "bound_over_optimum": stats["bound_over_optimum"]}

@@ -48,7 +48,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _dispatch, functional
+from . import dispatch as _dispatch
+from . import functional
 
 __all__ = ["counters_on_device", "functional_step", "seed_tensor", "sync_global_step",
            "traced_hybrid_step", "traced_muon_step", "traced_step"]

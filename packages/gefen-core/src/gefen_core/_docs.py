@@ -1,7 +1,7 @@
 """Flag and behaviour text, written once and interpolated into every docstring.
 
 The dispatch rule stated in :data:`DISPATCH_RULE` is the one implemented by
-:func:`gefen_core._dispatch.choose_path`; change both together.
+:func:`gefen_core.dispatch.choose_path`; change both together.
 """
 
 from __future__ import annotations

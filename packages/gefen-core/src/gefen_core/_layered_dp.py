@@ -119,7 +119,7 @@ class _LayeredDP:
 
     Segment 1 has the fixed centre ``first``, the last segment the fixed centre ``last``, the
     others are free. :meth:`solve` gives the optimum with ``k`` segments; the forced-zero solve
-    (:func:`_solve_forced_zero`) instead runs the free layers one at a time (:meth:`begin`,
+    (:func:`solve_forced_zero`) instead runs the free layers one at a time (:meth:`begin`,
     :meth:`advance`) and closes every layer with the last segment (:meth:`closing`), giving the
     optimum for every number of segments in ``[k_lo, k_max]`` from one pass.
 

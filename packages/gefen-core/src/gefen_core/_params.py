@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _dispatch
+from . import dispatch as _dispatch
 
 PERIOD_SEARCH_VARIANTS = ("log_contrast", "variance")
 

@@ -56,7 +56,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _amp, _dispatch, _step_graphs, functional
+from gefen_kernels.ops import _step_graphs
+
+from . import amp as _amp
+from . import dispatch as _dispatch
+from . import functional
 
 __all__ = ["SteadyStep", "build"]
 

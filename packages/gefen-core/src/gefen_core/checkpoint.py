@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from . import _dispatch, _params
+from . import _params
+from . import dispatch as _dispatch
 
 if TYPE_CHECKING:
     from .optimizer import Gefen
@@ -185,7 +186,17 @@ def _fp32_stat(entry: Mapping[str, Any], key: str, shape: tuple[int, ...], name:
     return t
 
 
-def _stage_entry(entry: Any, p: Tensor, name: str, capturable: bool) -> dict[str, Any]:
+def stage_entry(entry: Any, p: Tensor, name: str, capturable: bool) -> dict[str, Any]:
+    """Validate one parameter's saved state ``entry`` against the (local) parameter ``p`` and
+    return it staged for loading (docs/algorithm.md#state-layout): new tensors on ``p``'s
+    device in the live dtypes and layout, the counters on the CPU unless ``capturable``. Used
+    by ``Gefen.load_state_dict`` and by optimizers that load the same state per entry
+    (``gefen_dist.ShardedGefenMuon``). Nothing live is modified.
+
+    Raises:
+        CheckpointError: ``entry`` is not a dict, has unknown keys, or a tensor of the wrong
+            shape, dtype or value range (the message names ``name`` and the key).
+    """
     if not isinstance(entry, Mapping):
         raise _err(f"state[{name!r}] must be a dict, got {type(entry).__name__}")
     unknown = set(entry) - STATE_KEYS
@@ -360,7 +371,7 @@ def stage_load(opt: Gefen, sd: Mapping[str, Any]) -> Staged:
         if sid not in id_map:
             raise _err(f"state has an entry for parameter id {sid!r}, which no group lists")
         p, live, name = id_map[sid]
-        staged = _stage_entry(entry, p, name, live["capturable"])
+        staged = stage_entry(entry, p, name, live["capturable"])
         any_codes = any_codes or "exp_avg_codes" in staged
         if staged:
             new_state[p] = staged

@@ -25,7 +25,7 @@ a free segment holding only it has no mean and is never chosen).
 
 The solve
 ---------
-Split at 0 (:func:`_solve_forced_zero`): no free segment of an optimal partition holds points
+Split at 0 (:func:`solve_forced_zero`): no free segment of an optimal partition holds points
 of both signs, so the points ``<= 0`` with the forced ends ``-1`` and ``0`` and the points
 ``>= 0`` with ``0`` and ``+1`` are two problems of the same kind as the codebook before the
 zero codeword (two fixed end centres): :class:`gefen_core._layered_dp._LayeredDP` solves each,
@@ -57,6 +57,7 @@ __all__ = [
     "optimal_codebook",
     "optimal_quantizer",
     "optimal_quantizer_endpoints",
+    "solve_forced_zero",
 ]
 
 #: Codebook size K.
@@ -129,7 +130,7 @@ def optimal_quantizer(points: ArrayLike, weights: ArrayLike,
     (ties: the smallest position); the others are weighted means. A point exactly at ``0`` is
     the histogram's zero bin; with none, the problem keeps a zero point of weight 0 (so the
     zero codeword may take no point). It is solved exactly by splitting at 0
-    (:func:`_solve_forced_zero`): the points ``<= 0`` with the forced ends ``-1`` and ``0``,
+    (:func:`solve_forced_zero`): the points ``<= 0`` with the forced ends ``-1`` and ``0``,
     the points ``>= 0`` with ``0`` and ``+1``, both for every number of codewords, then the
     split of the ``k`` codewords with the smallest total (the zero codeword shared).
 
@@ -159,7 +160,7 @@ def optimal_quantizer(points: ArrayLike, weights: ArrayLike,
             ``[-1, 1]`` or non-finite, weights not finite and positive, or ``k < 3``.
     """
     x, w = _check_points(points, weights, k, 3)
-    codewords, cost = _solve_forced_zero(x, w, k)
+    codewords, cost = solve_forced_zero(x, w, k)
     return torch.from_numpy(codewords), cost
 
 
@@ -243,7 +244,7 @@ def optimal_codebook(counts: Tensor, device: torch.device | str | None = None) -
     return codewords.to(device=device or "cpu", dtype=torch.float32)
 
 
-def _solve_forced_zero(x: np.ndarray, w: np.ndarray, k: int,
+def solve_forced_zero(x: np.ndarray, w: np.ndarray, k: int,
                        stats: dict[str, Any] | None = None) -> tuple[np.ndarray, float]:
     """:func:`optimal_quantizer`'s solve (checked inputs): the split at 0.
 

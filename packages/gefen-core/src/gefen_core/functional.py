@@ -583,7 +583,7 @@ def _graphable(params: Sequence[Tensor],
     """Whether this eager step can go through :mod:`gefen_core._step_graphs`: every tensor
     takes a plan (contiguous, no reduced row-shard statistics) and no graph is being captured
     by the caller (then the launches belong in the caller's graph)."""
-    from . import _step_graphs
+    from gefen_kernels.ops import _step_graphs
 
     return (_step_graphs.enabled() and len(params) > 1
             and (factored_stats is None or all(s is None for s in factored_stats))
@@ -601,8 +601,7 @@ def _graphed_step(
     """The planned launches through capturable plans and device scalars, graph-replayed when
     the addresses repeat (bit-identical to the by-value launches)."""
     from gefen_kernels._numerics import to_signed64
-
-    from . import _step_graphs
+    from gefen_kernels.ops import _step_graphs
 
     plans = []
     tensors: list[Tensor | None] = []

@@ -23,7 +23,9 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from . import _amp, _compiled_step, _nonfinite
+from . import _compiled_step
+from . import amp as _amp
+from . import nonfinite as _nonfinite
 from .muon import GefenMuon
 from .newton_schulz import DEFAULT_NS_STEPS
 from .optimizer import Gefen

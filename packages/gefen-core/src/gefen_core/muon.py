@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _amp, _compiled_step, _muon_update, _params
+from . import _compiled_step, _muon_update, _params
+from . import amp as _amp
 from ._seeds import mix_seed, name_salt
 from .newton_schulz import (
     DEFAULT_NS_STEPS,
@@ -920,9 +921,9 @@ class GefenMuon(Gefen):
 
 def _muon_momentum_path(p: Tensor, group: Mapping[str, Any]) -> str:
     """``"fused"`` (the custom op, Triton on CUDA) unless ``fused=False`` or the kernel cannot
-    step ``p`` (the reasons of :func:`gefen_core._dispatch.fused_blocker`), else
+    step ``p`` (the reasons of :func:`gefen_core.dispatch.fused_blocker`), else
     ``"for_loop"`` (the PyTorch reference)."""
-    from ._dispatch import fused_blocker
+    from .dispatch import fused_blocker
 
     if group["fused"] is not False and fused_blocker(p) is None:
         return "fused"

@@ -17,7 +17,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _amp, _compiled_step, _dispatch, _docs, _nonfinite, _params, _seeds, _steady_step
+from . import _compiled_step, _docs, _params, _seeds, _steady_step
+from . import amp as _amp
+from . import dispatch as _dispatch
+from . import nonfinite as _nonfinite
 from ._seeds import _SALT_TABLES, _SEED_MIX, _to_signed64, mix_seed, name_salt  # noqa: F401
 from .functional import gefen as _gefen_functional
 

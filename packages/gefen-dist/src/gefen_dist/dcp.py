@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from gefen_core import Gefen
-from gefen_core import _dispatch as _core_dispatch
+from gefen_core import dispatch as _core_dispatch
 
 from ._agree import agreed, collective_device
 from ._dense import (

@@ -55,8 +55,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from gefen_core import Gefen
-from gefen_core import _dispatch as _core_dispatch
-from gefen_core._nonfinite import all_finite
+from gefen_core import dispatch as _core_dispatch
+from gefen_core.nonfinite import all_finite
 
 from ._agree import agree, agreed, check_grad_presence, collective_device
 from .capabilities import SHARDED_GEFEN_CAPABILITIES, Capabilities

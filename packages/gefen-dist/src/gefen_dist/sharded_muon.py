@@ -401,7 +401,7 @@ class ShardedGefenMuon(GefenMuon):
             gefen_dist.CollectiveCheckError: on every rank, see the class docstring.
             ValueError, RuntimeError: as ``GefenMuon.step`` when not collective.
         """
-        from gefen_core import _amp
+        from gefen_core import amp as _amp
 
         self._capture_guard()
         loss = None
@@ -740,7 +740,7 @@ def _stage_normuon(extra: Mapping[str, Any], rows: int, device: torch.device, na
 def _stage_full_entry(entry: Any, p: Tensor, name: str, group: Mapping[str, Any],
                       err: Callable[[str], Exception]) -> dict[str, Any]:
     """Validate one full-size entry (exact/distributed) against the *global* shape."""
-    from gefen_core.checkpoint import _stage_entry
+    from gefen_core.checkpoint import stage_entry
 
     if not isinstance(entry, Mapping):
         raise err(f"state[{name!r}] must be a dict, got {type(entry).__name__}")
@@ -758,7 +758,7 @@ def _stage_full_entry(entry: Any, p: Tensor, name: str, group: Mapping[str, Any]
     # reads numel, ndim, shape and device only.
     proxy = torch.empty((), dtype=local.dtype, device=local.device).expand(tuple(p.shape))
     try:
-        staged = _stage_entry(e, proxy, name, bool(group["capturable"]))
+        staged = stage_entry(e, proxy, name, bool(group["capturable"]))
     except ValueError as exc:
         raise err(str(exc)) from exc
     staged.pop("exp_avg_sq", None)

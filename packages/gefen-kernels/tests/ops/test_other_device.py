@@ -1,7 +1,7 @@
 """Every public op on tensors of a CUDA device other than the current one (two GPUs).
 
 Triton launches on the current device, and custom ops get no device guard from the
-dispatcher, so each launcher sets the device of its tensors (``_dispatch.on_tensor_device``;
+dispatcher, so each launcher sets the device of its tensors (``_device.on_tensor_device``;
 ``histogram_sum`` per device). Without it a tensor on ``cuda:1`` fails with "Pointer argument
 cannot be accessed from Triton" while ``cuda:0`` is current. Each case runs the same inputs on
 ``cuda:0`` and on ``cuda:1`` and compares every output bit for bit; the current device must

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from .._numerics import f32, to_signed64
 from .._triton import jit, program_elements, require_triton, tl, triton
-from ._dispatch import check_device_for_triton
+from ._device import check_device_for_triton
 from ._search_table import kernel_table
 from ._step_ref import denominator
 from ._triton_helpers import (

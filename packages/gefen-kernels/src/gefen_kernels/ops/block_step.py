@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _validation as V
-from ._dispatch import on_tensor_device, use_triton
+from ._device import on_tensor_device, use_triton
 from ._step_kernels import launch_step
 from ._step_ref import StepScalars, denominator, make_scalars, run_step
 

@@ -31,7 +31,7 @@ from .. import _numerics
 from .. import _validation as V
 from .._numerics import FLT_MIN, f32
 from .._triton import jit, program_elements, require_triton, tl
-from ._dispatch import check_device_for_triton, on_tensor_device, use_triton
+from ._device import check_device_for_triton, on_tensor_device, use_triton
 from ._step_kernels import launch_step
 from ._step_ref import StepScalars, denominator, make_scalars, run_step
 from ._triton_helpers import LAUNCH_OPTIONS

@@ -21,7 +21,7 @@ from .. import _validation as V
 from .._numerics import HISTOGRAM_BINS, HISTOGRAM_SIZE, ZERO_BIN
 from .._triton import jit, program_elements, require_triton, tl, triton
 from ._chunks import block_groups
-from ._dispatch import check_device_for_triton, on_tensor_device, use_triton
+from ._device import check_device_for_triton, on_tensor_device, use_triton
 from ._triton_helpers import LAUNCH_OPTIONS
 from .period_scores import reject_dtensor
 

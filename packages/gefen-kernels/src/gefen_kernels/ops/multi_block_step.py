@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .._numerics import f32
 from .._triton import program_elements, require_triton, triton
-from ._dispatch import check_device_for_triton, on_tensor_device, use_triton
+from ._device import check_device_for_triton, on_tensor_device, use_triton
 from ._group_kernels import _group_tile_kernel
 from ._search_table import kernel_table
 from ._step_kernels import TILE_ELEMENTS, TILE_MAX_PERIOD, needs_int64, tile_warps

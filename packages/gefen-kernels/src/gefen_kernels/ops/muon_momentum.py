@@ -35,7 +35,7 @@ from torch import Tensor
 from .. import _validation as V
 from .._numerics import f32, momentum_ema
 from ._chunks import block_groups
-from ._dispatch import on_tensor_device, use_triton
+from ._device import on_tensor_device, use_triton
 from ._muon_kernels import launch_muon_momentum
 from ._quant_ref import round_codes, sr_uniform_int64
 

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from .. import _validation as V
 from .._triton import require_triton
-from ._dispatch import check_device_for_triton, on_tensor_device, use_triton
+from ._device import check_device_for_triton, on_tensor_device, use_triton
 from ._period_kernels import TILE as _KERNEL_TILE
 from ._period_kernels import host_to_device, scores_triton, scores_triton_many
 

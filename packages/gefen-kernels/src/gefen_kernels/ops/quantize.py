@@ -18,7 +18,7 @@ from .. import _numerics
 from .. import _validation as V
 from .._numerics import to_signed64
 from .._triton import jit, program_elements, require_triton, tl, triton
-from ._dispatch import check_device_for_triton, on_tensor_device, use_triton
+from ._device import check_device_for_triton, on_tensor_device, use_triton
 from ._quant_ref import nearest_codes, sr_uniform_int64, stochastic_codes
 from ._search_table import kernel_table
 from ._triton_helpers import LAUNCH_OPTIONS, tl_quantize_nearest, tl_quantize_stochastic

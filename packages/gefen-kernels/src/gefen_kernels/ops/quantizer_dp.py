@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from .._triton import interpret_mode, jit, require_triton, tl, triton
-from ._dispatch import check_device_for_triton, on_tensor_device
+from ._device import check_device_for_triton, on_tensor_device
 from ._triton_helpers import LAUNCH_OPTIONS
 
 __all__ = ["optimal_quantizer_dp_triton", "quantizer_prefix"]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _dispatch
+from . import dispatch as _dispatch
 
 __all__ = ["all_finite", "check_skip_option", "step_gradients"]
 

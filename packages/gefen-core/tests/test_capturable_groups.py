@@ -1,21 +1,22 @@
-"""capturable=True steps in grouped launches (``functional._grouped_capturable``): the same bits
-as the per-tensor capturable launches. Runs the planned path compiled on CUDA, or on the CPU under
-the Triton interpreter; ``test_gefen_gpu.py`` checks it through the optimizer and a captured
-graph."""
+"""capturable=True steps in grouped launches
+(``gefen_kernels.ops.fused_step._grouped_capturable``): the same bits as the per-tensor
+capturable launches. Runs the planned path compiled on CUDA, or on the CPU under the Triton
+interpreter; ``test_gefen_gpu.py`` checks it through the optimizer and a captured graph."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
 import torch
 
-from gefen_core import functional
-
 gefen_kernels = pytest.importorskip("gefen_kernels")
 if not gefen_kernels.triton_available():
     pytest.skip("needs Triton", allow_module_level=True)
 from gefen_kernels._triton import interpret_mode  # noqa: E402
+
+fused = importlib.import_module("gefen_kernels.ops.fused_step")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -57,14 +58,14 @@ def _state(seed: int) -> list[dict[str, Any]]:
 def _run(stochastic_round: bool, grouped: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[
         list[dict[str, Any]], list[bool]]:
     taken: list[bool] = []
-    real = functional._grouped_capturable
+    real = fused._grouped_capturable
 
     def spy(*args: Any, **kwargs: Any) -> bool:
         done = real(*args, **kwargs) if grouped else False
         taken.append(done)
         return done
 
-    monkeypatch.setattr(functional, "_grouped_capturable", spy)
+    monkeypatch.setattr(fused, "_grouped_capturable", spy)
     items = _state(100)
     codebook = torch.linspace(-1.0, 1.0, 256, device=DEV).pow(3)
     for step in range(3):
@@ -73,7 +74,7 @@ def _run(stochastic_round: bool, grouped: bool, monkeypatch: pytest.MonkeyPatch)
                  for it, case in zip(items, CASES)]
         t = torch.tensor(10 + step, dtype=torch.int64, device=DEV)
         seeds = [torch.bitwise_xor(t * 12345, 1000 + j).reshape(1) for j in range(len(items))]
-        functional._planned_gefen(
+        fused._planned(
             [i["param"] for i in items], grads, [i["codes"] for i in items],
             [i["scale"] for i in items], [i["sq"] for i in items], [i["row"] for i in items],
             [i["col"] for i in items], [i["step"] for i in items],
@@ -101,7 +102,7 @@ def test_grouped_capturable_launches_equal_per_tensor_launches(
 
 def test_one_tensor_takes_its_own_launch() -> None:
     it = _state(1)[2]
-    assert not functional._grouped_capturable(
+    assert not fused._grouped_capturable(
         [it["param"]], [torch.zeros_like(it["param"])], [it["codes"]], [it["scale"]],
         [it["sq"]], [it["row"]], [it["col"]], [it["step"]], [it["sq_step"]],
         [torch.zeros(1, dtype=torch.int64, device=DEV)], None,

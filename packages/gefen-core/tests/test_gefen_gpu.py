@@ -4,6 +4,7 @@ capture with ``capturable=True``, and same-device resume. Skipped only when CUDA
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -96,7 +97,6 @@ def test_cuda_graph_capture_matches_eager_capturable_steps() -> None:
     for (_, p), g in zip(eager_params, static):  # the eager twin repeats the warm-up step
         p.grad = g.clone()
     eager.step()
-    from gefen_core import functional
     from gefen_kernels.ops.step_groups import StepGroups
 
     captured = []
@@ -114,7 +114,8 @@ def test_cuda_graph_capture_matches_eager_capturable_steps() -> None:
     # The capture took the grouped launches, and keeps their tables for the replays.
     assert [flag for _, flag in captured] == [True]
     codes0 = graphed.state[graph_params[0][1]]["exp_avg_codes"]
-    assert any(g is captured[0][0] for g in functional._CAPTURED_GROUPS[codes0])
+    kept = importlib.import_module("gefen_kernels.ops.fused_step")._CAPTURED_GROUPS[codes0]
+    assert any(g is captured[0][0] for g in kept)
     for step in range(2, 5):
         _feed(eager_params, step)
         for (_, p), (_, q) in zip(eager_params, graph_params):
@@ -133,7 +134,6 @@ def test_capturable_steps_take_grouped_launches_bit_identical_to_per_tensor(
     """capturable=True steps assemble their scalars and seeds on the device and take the
     grouped launches (a few launches for the list, which a captured graph then replays), with
     the bits of the per-tensor capturable launches."""
-    from gefen_core import functional
     from gefen_kernels.ops.step_groups import StepGroups
 
     grouped_calls = []
@@ -147,7 +147,8 @@ def test_capturable_steps_take_grouped_launches_bit_identical_to_per_tensor(
     runs = []
     for grouped in (True, False):
         if not grouped:
-            monkeypatch.setattr(functional, "_grouped_capturable", lambda *a, **k: False)
+            monkeypatch.setattr(importlib.import_module("gefen_kernels.ops.fused_step"),
+                                "_grouped_capturable", lambda *a, **k: False)
         params = _params(torch.bfloat16)
         opt = Gefen(params, lr=1e-2, weight_decay=0.1, capturable=True,
                     stochastic_round=stochastic_round)
@@ -201,19 +202,21 @@ def test_grouped_launches_equal_one_launch_per_tensor(stochastic_round: bool,
     """The eager fused step launches whole classes of tensors at once
     (``gefen_kernels.ops.step_groups``); with that replaced by one plan launch per tensor the
     optimizer ends bit-identical (parameters and state), mixed dtypes and modes included."""
-    from gefen_core import _steady_step, functional
+    from gefen_core import _steady_step
+
+    fused = importlib.import_module("gefen_kernels.ops.fused_step")
 
     # Every step through the full path, so that every step takes the launcher under test.
     monkeypatch.setattr(_steady_step, "build", lambda *args: None)
 
     def per_tensor(grouped, host, seeds, *, anchor):  # type: ignore[no-untyped-def]
         for plan, g, i in grouped:
-            lr, bc1, bc2, decay = host[i]
+            lr, bc1, bc2, decay = host[i].lr, host[i].bc1_recip, host[i].bc2, host[i].decay
             plan.launch(g, lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay,
                         seed=0 if seeds is None else seeds[i])
 
     calls = []
-    grouped_launch = functional._grouped_launch
+    grouped_launch = fused._grouped_launch
 
     def spy(grouped, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(len(grouped))
@@ -221,7 +224,7 @@ def test_grouped_launches_equal_one_launch_per_tensor(stochastic_round: bool,
 
     runs = []
     for launcher in (spy, per_tensor):
-        monkeypatch.setattr(functional, "_grouped_launch", launcher)
+        monkeypatch.setattr(fused, "_grouped_launch", launcher)
         gen = torch.Generator().manual_seed(7)
         params = _params(torch.bfloat16) + [
             ("head", torch.randn(96, 256, generator=gen).cuda().requires_grad_()),

@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from gefen_core import Gefen, _steady_step, functional
+from gefen_core import Gefen, _steady_step
 from gefen_core import dispatch as _dispatch
+
+fused = importlib.import_module("gefen_kernels.ops.fused_step")
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available()
@@ -33,8 +35,7 @@ pytestmark = pytest.mark.skipif(
 def fused_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     """Route CPU tensors through the planned fused path; count steady hits and misses."""
     monkeypatch.setattr(_dispatch, "fused_blocker", lambda p: None)
-    monkeypatch.setattr(functional, "_plans_apply", lambda params: bool(params))
-    monkeypatch.setattr(functional, "_fused_gefen", functional._planned_gefen)
+    monkeypatch.setattr(fused, "_plans_apply", lambda params: bool(params))
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     counts = {"hit": 0, "miss": 0}
@@ -368,11 +369,11 @@ def test_off_tile_factored_tensors_share_grouped_statistics(
     seen: list[bool] = []
     monkeypatch.setattr(step_groups, "_stats_only",
                         lambda plan: seen.append(stats_only(plan)) or seen[-1])
-    grouped_launch = functional._grouped_launch
+    grouped_launch = fused._grouped_launch
 
     def per_plan(grouped: Any, host: Any, seeds: Any, *, anchor: torch.Tensor) -> None:
         for plan, grad, i in grouped:
-            lr, bc1, bc2, decay = host[i]
+            lr, bc1, bc2, decay = host[i].lr, host[i].bc1_recip, host[i].bc2, host[i].decay
             plan.launch(grad, lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay,
                         seed=0 if seeds is None else seeds[i])
 
@@ -381,9 +382,9 @@ def test_off_tile_factored_tensors_share_grouped_statistics(
         _grads(pa, step)
         _grads(pb, step)
         a.step()
-        monkeypatch.setattr(functional, "_grouped_launch", per_plan)
+        monkeypatch.setattr(fused, "_grouped_launch", per_plan)
         _full_step(b)
-        monkeypatch.setattr(functional, "_grouped_launch", grouped_launch)
+        monkeypatch.setattr(fused, "_grouped_launch", grouped_launch)
         _assert_same(a, b, pa, pb)
     assert any(seen)  # a statistics-only class was built
     assert fused_on_cpu["hit"] == 3

@@ -70,7 +70,8 @@ def _graph_of(opt: Gefen) -> object:
         return entry.graph
     steady = opt._steady
     for call in steady._calls if steady is not None else []:
-        group_entry = _step_graphs._GROUP_ENTRIES.get(call.groups) if call.groups else None
+        groups = call.record.groups
+        group_entry = _step_graphs._GROUP_ENTRIES.get(groups) if groups else None
         if group_entry is not None and group_entry.graph is not None:
             return group_entry.graph
     return None
@@ -157,7 +158,8 @@ def test_a_moved_direct_gradient_is_not_read_through_a_stale_graph(
             opt.step()
         torch.cuda.synchronize()
         assert opt._steady is not None
-        assert any(0 in call.groups.direct for call in opt._steady._calls if call.groups)
+        assert any(0 in call.record.groups.direct for call in opt._steady._calls
+                   if call.record.groups)
         return [p.detach().clone() for _, p in params], (_step_graphs.counts()["replays"]
                                                          - before["replays"])
 
@@ -201,5 +203,5 @@ def test_training_loop_with_freed_gradients_equals_eager(monkeypatch: pytest.Mon
     # steady steps replay whatever addresses the allocator gives the gradients: step 1 is
     # full, step 2 launches eagerly, step 3 captures, steps 4-12 replay.
     assert opt._steady is not None
-    assert all(not call.groups.direct for call in opt._steady._calls if call.groups)
+    assert all(not call.record.groups.direct for call in opt._steady._calls if call.record.groups)
     assert _step_graphs.counts()["replays"] - before == 9

@@ -23,14 +23,14 @@ anything is mutated, that a full step would build exactly the same launches:
 * the codebook (the same tensor on each device, unmodified, at the same address), no codebook
   refresh due, not inside ``torch.compile``.
 
-If all hold it advances the counters, computes the per-step scalars with the full step's code
-(:func:`gefen_core.functional._host_rows_from`) and launches the same plans and launch tables,
-so the result is bit-identical to the full step. With graph replay on
-(``GEFEN_CUDA_GRAPHS=1``), each CUDA call's grouped launches are captured and then replayed
-(:func:`gefen_core._step_graphs.launch_groups`): the grouped gradients reach the graph through
-staged offsets, and everything else its addresses depend on is what this check has just
-established. Otherwise it returns ``False`` having changed nothing, and the full step runs
-(and records again). The record refers to parameters, state and the codebook only weakly, so
+If all hold it advances the counters and repeats each call's launches through the public
+kernel entry (``gefen_kernels.FusedStepRecord.launch``: the per-step scalars computed by the
+full step's code, the same plans and launch tables), so the result is bit-identical to the full
+step. With graph replay on (``GEFEN_CUDA_GRAPHS=1``), each CUDA call's grouped launches are
+captured and then replayed there: the grouped gradients reach the graph through staged offsets,
+and everything else its addresses depend on is what this check has just established.
+Otherwise it returns ``False`` having changed nothing, and the full step runs (and records
+again). The record refers to parameters, state and the codebook only weakly, so
 it never keeps replaced, deleted or offloaded state alive.
 An optimizer that reduces factored statistics (``_reduces_factored_stats``, whose
 ``_factored_statistics`` hook may be a collective on every step) is never recorded.
@@ -56,11 +56,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gefen_kernels.ops import _step_graphs
+from gefen_kernels import FusedStepRecord
 
 from . import amp as _amp
 from . import dispatch as _dispatch
-from . import functional
+from ._seeds import mix_seed, name_salt
 
 __all__ = ["SteadyStep", "build"]
 
@@ -78,17 +78,15 @@ def _options(group: dict[str, Any]) -> tuple[Any, ...]:
 class _Call:
     """One ``functional.gefen`` call of the full step: one group's tensors on one device."""
 
-    __slots__ = ("group", "device", "factored", "salts", "plans", "groups", "codebook",
-                 "codebook_version", "codebook_ptr", "counters")
+    __slots__ = ("group", "device", "salts", "record", "codebook", "codebook_version",
+                 "codebook_ptr", "counters")
 
     def __init__(self, group: dict[str, Any], lists: dict[str, list[Any]],
-                 salts: list[int], plans: list[Any], groups: Any) -> None:
+                 salts: list[int], record: FusedStepRecord) -> None:
         self.group = group
         self.device: torch.device = lists["params"][0].device
-        self.factored = [sq is None for sq in lists["sqs"]]
         self.salts = salts
-        self.plans = plans  # the plans and the launch tables hold no tensors
-        self.groups = groups  # StepGroups, or None for a single tensor (one plan launch)
+        self.record = record  # the launches; it holds no tensors
         codebook: Tensor = lists["codebooks"][0]
         self.codebook = weakref.ref(codebook)
         self.codebook_version = codebook._version
@@ -189,42 +187,25 @@ class SteadyStep:
             return True  # docs/algorithm.md#mixed-precision: nothing learned, counted or touched.
         if inv_scale is not None:
             _amp.unscale_(every, inv_scale)
-        from .optimizer import mix_seed
-
-        graphs = _step_graphs.enabled()
         for i, call in enumerate(calls):
             group = call.group
-            beta1, beta2 = group["betas"]
             # As in the full step: the group's lr is read before its counters move.
-            lr = functional._host_lr(opt._host_lr(group["lr"]))
+            lr = opt._host_lr(group["lr"])
             with torch.cuda.device(call.device):
                 buffer = call.counters() if call.counters is not None else None
+                n = len(steps[i])
                 if buffer is not None:
                     # Every counter stepped here is a view of `buffer`, in this order (their
                     # identity was checked above), and nothing else is.
                     buffer.add_(1)
                     values = buffer.tolist()
-                    n = len(steps[i])
-                    host = functional._host_rows_from(
-                        values[:n], values[n:], call.factored, lr=lr, beta1=beta1,
-                        beta2=beta2, weight_decay=group["weight_decay"])
                 else:
                     torch._foreach_add_(steps[i] + sq_steps[i], 1)
-                    host = functional._host_rows(steps[i], sq_steps[i], call.factored, lr=lr,
-                                                 beta1=beta1, beta2=beta2,
-                                                 weight_decay=group["weight_decay"])
-                if call.groups is not None:
-                    seeds = ([mix_seed(opt._global_step, s) for s in call.salts]
-                             if group["stochastic_round"] else None)
-                    if graphs and call.device.type == "cuda":
-                        _step_graphs.launch_groups(call.groups, grads[i], host, seeds)
-                    else:
-                        call.groups.launch(grads[i], host, seeds)
-                else:
-                    lr32, bc1_32, bc2_32, decay32 = host[0]
-                    call.plans[0].launch(grads[i][0], lr=lr32, bc1_recip=bc1_32, bc2=bc2_32,
-                                         decay=decay32,
-                                         seed=mix_seed(opt._global_step, call.salts[0]))
+                    values = [float(c.item()) for c in steps[i] + sq_steps[i]]
+                seeds = ([mix_seed(opt._global_step, s) for s in call.salts]
+                         if group["stochastic_round"] else None)
+                call.record.launch(grads[i], values[:n], values[n:], lr=lr,
+                                   weight_decay=group["weight_decay"], seeds=seeds)
         for t in opt._device_global_step.values():
             t.add_(1)
         opt._global_step += 1
@@ -241,8 +222,6 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
     yet, or an optimizer that reduces factored statistics (its ``_factored_statistics`` hook
     is called on every step). ``split`` is the optimizer's per-device split of a path's lists
     (``_dispatch.split_by_device``)."""
-    from .optimizer import name_salt
-
     if (opt._codebook is None or len(stepped) != len(live) or not stepped
             or opt._reduces_factored_stats):
         return None
@@ -255,25 +234,21 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
             return None
         for lists in split(by_path["fused"]):
             params = lists["params"]
-            if (not functional._plans_apply(params)
-                    or any(s is not None for s in lists["factored_stats"])
-                    or any(_dispatch.is_dtensor(p) or not p.is_contiguous() for p in params)
-                    or any(not g.is_contiguous() for g in lists["grads"])):
+            if (any(s is not None for s in lists["factored_stats"])
+                    or any(_dispatch.is_dtensor(p) for p in params)):
                 return None
             beta1, beta2 = group["betas"]
-            options = (beta1, beta2, group["eps"], bool(group["maximize"]),
-                       bool(group["stochastic_round"]), False)
-            plans = [functional._plan_for(p, c, s, sq, r, col, lists["codebooks"][0], options)
-                     for p, c, s, sq, r, col in zip(params, lists["codes"], lists["scales"],
-                                                    lists["sqs"], lists["rows"], lists["cols"])]
-            groups = None
-            if len(plans) > 1:
-                groups = functional._step_groups(plans, lists["grads"], lists["codes"][0])
+            record = FusedStepRecord.build(
+                params, lists["grads"], lists["codes"], lists["scales"], lists["sqs"],
+                lists["rows"], lists["cols"], codebook=lists["codebooks"][0], beta1=beta1,
+                beta2=beta2, eps=group["eps"], maximize=group["maximize"],
+                stochastic_round=group["stochastic_round"])
+            if record is None:
+                return None
             for p, sq in zip(params, lists["sqs"]):
                 call_of[id(p)] = len(calls)
                 factored[id(p)] = sq is None
-            calls.append(_Call(group, lists, [name_salt(names[id(p)]) for p in params], plans,
-                               groups))
+            calls.append(_Call(group, lists, [name_salt(names[id(p)]) for p in params], record))
     graded = {id(p): g for _, p, g, _ in live}
     stepped_states: list[list[dict[str, Any]]] = [[] for _ in calls]
     for group in opt.param_groups:

@@ -10,12 +10,15 @@ docs/algorithm.md#codebook, docs/algorithm.md#factored-second-moment, docs/algor
 from ._triton import triton_available
 from ._version import __version__
 from .ops import (
+    FusedStepRecord,
+    StepScalars,
     block_step,
     block_step_reference,
     block_step_triton,
     factored_step,
     factored_step_reference,
     factored_step_triton,
+    fused_step,
     histogram,
     histogram_reference,
     histogram_triton,
@@ -30,7 +33,9 @@ from .ops import (
     quantize_stochastic,
     quantize_stochastic_reference,
     quantize_stochastic_triton,
+    reference_step,
     sr_uniform_reference,
+    step_scalars,
 )
 from .ops.period_scores import (
     multi_period_scores,
@@ -45,7 +50,9 @@ from .ops.period_scores import (
 KERNEL_API_VERSION = 1
 
 __all__ = [
+    "FusedStepRecord",
     "KERNEL_API_VERSION",
+    "StepScalars",
     "__version__",
     "block_step",
     "block_step_reference",
@@ -53,6 +60,7 @@ __all__ = [
     "factored_step",
     "factored_step_reference",
     "factored_step_triton",
+    "fused_step",
     "histogram",
     "histogram_reference",
     "histogram_triton",
@@ -73,6 +81,8 @@ __all__ = [
     "quantize_stochastic",
     "quantize_stochastic_reference",
     "quantize_stochastic_triton",
+    "reference_step",
     "sr_uniform_reference",
+    "step_scalars",
     "triton_available",
 ]

@@ -20,6 +20,7 @@ from kernels_inputs import (
 from gefen_kernels._numerics import f32
 from gefen_kernels.ops import step_groups
 from gefen_kernels.ops.step_groups import StepGroups
+from gefen_kernels.ops.step_scalars import StepScalars
 from gefen_kernels.ops.step_plan import StepPlan
 
 
@@ -97,11 +98,12 @@ def _plans(items: list[dict[str, Any]], cb: torch.Tensor, **options: Any) -> lis
             for it in items]
 
 
-def _scalars(j: int, factored: bool) -> tuple[float, float, float, float]:
+def _scalars(j: int, factored: bool) -> StepScalars:
     # A different step count per tensor, so a wrong row of the scalar table shows.
     t = 3 + j
     bc2 = 1.0 / (1.0 - 0.999**t) if factored else (1.0 - 0.999**t) ** -0.5
-    return (f32(1e-3 * (1 + j)), f32(1.0 / (1.0 - 0.9**t)), f32(bc2), f32(1.0 - 1e-5 * j))
+    return StepScalars(lr=f32(1e-3 * (1 + j)), bc2=f32(bc2), bc1_recip=f32(1.0 / (1.0 - 0.9**t)),
+                       decay=f32(1.0 - 1e-5 * j))
 
 
 def _compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
@@ -125,7 +127,7 @@ def test_groups_equal_one_launch_per_plan(options, scratch_bytes, monkeypatch) -
     seeds = [17 * j - 40 for j in range(len(CASES))]
     a, b = _clone(base), _clone(base)
     for plan, it, sc, seed in zip(_plans(a, cb, **options), a, scalars, seeds):
-        lr, bc1, bc2, decay = sc
+        lr, bc2, bc1, decay = sc
         plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
     plans = _plans(b, cb, **options)
     grads = [it["grad"] for it in b]
@@ -137,7 +139,7 @@ def test_groups_equal_one_launch_per_plan(options, scratch_bytes, monkeypatch) -
     assert groups.matches(plans, moved)
     groups.launch(moved, scalars, seeds)
     for plan, it, sc, seed in zip(_plans(a, cb, **options), a, scalars, seeds):
-        lr, bc1, bc2, decay = sc
+        lr, bc2, bc1, decay = sc
         plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
     _compare(b, a)
     assert groups.matches(plans, grads)
@@ -170,7 +172,7 @@ def test_loop_route_factored_plans_share_the_statistics_launches(monkeypatch) ->
     plans_a = _plans(a, cb, maximize=False, stochastic_round=True)
     assert [p.route for p in plans_a] == ["loop", "loop", "tile", "loop"]
     for plan, it, sc, seed in zip(plans_a, a, scalars, seeds):
-        lr, bc1, bc2, decay = sc
+        lr, bc2, bc1, decay = sc
         plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
     plans = _plans(b, cb, maximize=False, stochastic_round=True)
     grads = [it["grad"] for it in b]
@@ -202,7 +204,7 @@ def test_flat_update_classes_match_the_fused_tile(scratch_bytes, monkeypatch) ->
         for plan, it, sc, seed in zip(_plans(a, cb, maximize=False, stochastic_round=True), a,
                                       scalars, seeds):
             assert not plan._consts["FLAT_UPDATE"]
-            lr, bc1, bc2, decay = sc
+            lr, bc2, bc1, decay = sc
             plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
     monkeypatch.setattr(step_groups, "GROUP_SCRATCH_BYTES", scratch_bytes)
     plans = _plans(b, cb, maximize=False, stochastic_round=True)
@@ -344,7 +346,7 @@ def test_device_buffer_equals_the_staged_buffer() -> None:
     assert groups.factored_mask.tolist() == [c[4] for c in CASES]
     scalars = [_scalars(j, c[4]) for j, c in enumerate(CASES)]
     seeds = [31 * j - 7 for j in range(len(CASES))]
-    hyper = torch.tensor([[lr, bc2, bc1, decay] for lr, bc1, bc2, decay in scalars],
+    hyper = torch.tensor([[lr, bc2, bc1, decay] for lr, bc2, bc1, decay in scalars],
                          dtype=torch.float32, device=dev)
     offsets = groups.device_offsets(grads)
     assert offsets is not None and groups.device_offsets(grads) is offsets
@@ -397,7 +399,7 @@ def test_unaligned_gradients_launch_alone_with_the_same_bits() -> None:
         g.copy_(it["grad"])
         grads.append(g)
     a, b = _clone(base), _clone(base)
-    for plan, g, (lr, bc1, bc2, decay) in zip(_plans(a, cb, maximize=False,
+    for plan, g, (lr, bc2, bc1, decay) in zip(_plans(a, cb, maximize=False,
                                                      stochastic_round=False), grads, scalars):
         plan.launch(g, lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=0)
     plans = _plans(b, cb, maximize=False, stochastic_round=False)
@@ -466,7 +468,7 @@ def test_gpt2_shaped_list_equals_one_launch_per_plan_gpu(scratch_bytes, monkeypa
         assert groups._side_stream is not None
         assert any(c.side for c in groups._classes) and not all(c.side for c in groups._classes)
         for _ in range(2):
-            for plan, it, (lr, bc1, bc2, decay), seed in zip(_plans(a, cb, **options), a,
+            for plan, it, (lr, bc2, bc1, decay), seed in zip(_plans(a, cb, **options), a,
                                                              scalars, seeds):
                 plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
             groups.launch(grads, scalars, seeds)
@@ -551,7 +553,7 @@ def test_side_stream_is_ordered_with_the_current_stream_gpu(slow, monkeypatch) -
     cb = make_codebook(5).cuda()
     options = {"maximize": False, "stochastic_round": True}
     a = _clone(items)
-    for plan, it, (lr, bc1, bc2, decay), seed in zip(_plans(a, cb, **options), a, scalars,
+    for plan, it, (lr, bc2, bc1, decay), seed in zip(_plans(a, cb, **options), a, scalars,
                                                      seeds):
         plan.launch(it["grad"], lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay, seed=seed)
     warm = _clone(items)

@@ -2,13 +2,16 @@
 ``torch.ops.gefen`` custom-op registration.
 
 ``gefen_kernels.ops.<op>`` is the dispatching public function for the step, quantize and
-histogram ops (gefen-core calls ``ops.block_step``). ``period_scores`` is exported from the
+histogram ops. :func:`fused_step` steps a list of tensors (planning, grouping, streams,
+CUDA-graph replay, steady-state records behind it): the one entry gefen-core's optimizers step
+through; :func:`reference_step` is the same step through the reference ops. ``period_scores`` is exported from the
 package root only, so ``gefen_kernels.ops.period_scores`` stays the module (its tests patch
 module constants through it).
 """
 
 from .block_step import block_step, block_step_reference, block_step_triton
 from .factored_step import factored_step, factored_step_reference, factored_step_triton
+from .fused_step import FusedStepRecord, fused_step, reference_step
 from .histogram import histogram, histogram_reference, histogram_sum, histogram_triton
 from .multi_block_step import (
     multi_block_step,
@@ -30,14 +33,18 @@ from .quantize import (
     quantize_stochastic_triton,
     sr_uniform_reference,
 )
+from .step_scalars import StepScalars, step_scalars
 
 __all__ = [
+    "FusedStepRecord",
+    "StepScalars",
     "block_step",
     "block_step_reference",
     "block_step_triton",
     "factored_step",
     "factored_step_reference",
     "factored_step_triton",
+    "fused_step",
     "histogram",
     "histogram_reference",
     "histogram_sum",
@@ -57,5 +64,7 @@ __all__ = [
     "quantize_stochastic",
     "quantize_stochastic_reference",
     "quantize_stochastic_triton",
+    "reference_step",
     "sr_uniform_reference",
+    "step_scalars",
 ]

@@ -15,7 +15,7 @@ scalar passed by value, so a replayed step equals the eager one bit for bit.
 
 Two users, both opt-in with ``GEFEN_CUDA_GRAPHS=1``:
 
-* **Steady steps** (:func:`launch_groups`, from :mod:`gefen_core._steady_step`). The grouped
+* **Steady steps** (:func:`launch_groups`, from gefen-core's steady step). The grouped
   launches of :class:`gefen_kernels.ops.step_groups.StepGroups` read every grouped gradient
   through an offset staged with the scalars, so their graph depends on no gradient's address:
   autograd may re-allocate the gradients every step (``zero_grad(set_to_none=True)``) and the
@@ -58,6 +58,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .step_scalars import StepScalars
 
 __all__ = ["counts", "enabled", "launch", "launch_groups"]
 
@@ -104,7 +106,7 @@ def _launch_all(plans: Sequence[Any], grads: Sequence[Tensor], entry: _Entry) ->
 
 
 def launch(plans: Sequence[Any], grads: Sequence[Tensor], tensors: Sequence[Tensor | None],
-           rows: Sequence[tuple[float, float, float, float]], seeds: Sequence[int] | None, *,
+           rows: Sequence[StepScalars], seeds: Sequence[int] | None, *,
            anchor: Tensor) -> None:
     """One step of ``plans`` (capturable :class:`gefen_kernels.ops.step_plan.StepPlan`, all on
     one CUDA device) with gradients ``grads``: replayed from a graph when the addresses match
@@ -115,7 +117,7 @@ def launch(plans: Sequence[Any], grads: Sequence[Tensor], tensors: Sequence[Tens
         grads: the gradients, any strides (a non-contiguous one is copied inside the step).
         tensors: every parameter and state tensor the plans write or read, for the address
             check (``None`` entries allowed).
-        rows: per tensor ``(lr, bc2, bc1_recip, decay)``, already rounded to fp32.
+        rows: per tensor :class:`StepScalars`, already rounded to fp32.
         seeds: per tensor signed 64-bit stochastic-rounding seeds, or ``None`` (nearest).
         anchor: a state tensor that lives as long as this list's state (the first codes);
             the list's graph is kept while it lives.
@@ -132,7 +134,7 @@ def launch(plans: Sequence[Any], grads: Sequence[Tensor], tensors: Sequence[Tens
 
 
 def _step(entry: _Entry, plans: Sequence[Any], grads: Sequence[Tensor],
-          tensors: Sequence[Tensor | None], rows: Sequence[tuple[float, float, float, float]],
+          tensors: Sequence[Tensor | None], rows: Sequence[StepScalars],
           seeds: Sequence[int] | None) -> None:
     # Pinned staging from the caching host allocator: a block is reused only after the copy
     # that read it has run, so the host never waits for the device here.
@@ -166,7 +168,7 @@ _GROUP_ENTRIES: Any = WeakIdKeyDictionary()
 
 
 def launch_groups(groups: Any, grads: Sequence[Tensor],
-                  scalars: Sequence[tuple[float, float, float, float]],
+                  scalars: Sequence[StepScalars],
                   seeds: Sequence[int] | None) -> None:
     """One step of ``groups`` (a CUDA :class:`~gefen_kernels.ops.step_groups.StepGroups`)
     through its staged launches, replayed from a graph when the gradients its launches take by
@@ -176,12 +178,12 @@ def launch_groups(groups: Any, grads: Sequence[Tensor],
 
     The caller guarantees what the graph's raw addresses depend on besides the gradients: the
     plans' tensors are those the groups were built for, at the same addresses, and the codebook
-    is unmodified and where it was (:class:`gefen_core._steady_step.SteadyStep` checks all of
+    is unmodified and where it was (the caller, gefen-core's steady step, checks all of
     it).
 
     Args:
         grads: contiguous gradients fitting ``groups.matches``.
-        scalars: per plan ``(lr, bc1_recip, bc2, decay)`` rounded to fp32.
+        scalars: per plan :class:`StepScalars` rounded to fp32.
         seeds: per plan signed 64-bit seeds, or ``None`` (nearest rounding).
     """
     entry = _GROUP_ENTRIES.get(groups)

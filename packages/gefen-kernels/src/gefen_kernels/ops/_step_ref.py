@@ -22,7 +22,7 @@ Scalar = float | Tensor
 
 
 @dataclass
-class StepScalars:
+class ComputeScalars:
     """Scalars of one step, already rounded to the compute dtype.
 
     Host values are Python floats holding the fp32-rounded value (fp64 values on the fp64
@@ -47,7 +47,7 @@ class StepScalars:
 
 def make_scalars(*, dtype: torch.dtype, lr: float, beta1: float, beta2: float, eps: float,
                  bc1_recip: float, bc2: float, decay: float,
-                 hyper: Tensor | None) -> StepScalars:
+                 hyper: Tensor | None) -> ComputeScalars:
     if dtype == torch.float32:
         b1, b2 = f32(beta1), f32(beta2)
         omb1, omb2 = f32(1.0 - b1), f32(1.0 - b2)
@@ -65,11 +65,11 @@ def make_scalars(*, dtype: torch.dtype, lr: float, beta1: float, beta2: float, e
     else:
         values = list(host)
         host_zero = lr == 0.0
-    return StepScalars(dtype, b1, omb1, b2, omb2, eps_v, values[0], values[1], values[2],
+    return ComputeScalars(dtype, b1, omb1, b2, omb2, eps_v, values[0], values[1], values[2],
                        values[3], host_zero, hyper is not None)
 
 
-def denominator(h: Tensor, sc: StepScalars) -> Tensor:
+def denominator(h: Tensor, sc: ComputeScalars) -> Tensor:
     """``sigma = f32(f32(1 / f32(h + eps)) * bc1_recip)`` from ``h`` (the scaled sqrt)."""
     h = h + sc.eps
     return torch.reciprocal(h) * sc.bc1_recip
@@ -81,7 +81,7 @@ def run_step(
     codes: Tensor,
     scale: Tensor,
     codebook: Tensor,
-    sc: StepScalars,
+    sc: ComputeScalars,
     *,
     maximize: bool,
     stochastic_round: bool,

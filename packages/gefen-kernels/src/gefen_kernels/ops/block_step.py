@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import _validation as V
 from ._device import on_tensor_device, use_triton
 from ._step_kernels import launch_step
-from ._step_ref import StepScalars, denominator, make_scalars, run_step
+from ._step_ref import ComputeScalars, denominator, make_scalars, run_step
 
 __all__ = ["block_step", "block_step_reference", "block_step_triton"]
 
@@ -113,7 +113,7 @@ def block_step_reference(
              block_sigma=block_sigma, element_sigma=None)
 
 
-def _second_moment(v: Tensor, sumsq: Tensor, period: int, sc: StepScalars) -> Tensor:
+def _second_moment(v: Tensor, sumsq: Tensor, period: int, sc: ComputeScalars) -> Tensor:
     # mean = f32(sum / f32(P)); v' = f32(f32(b2 * v) + f32((1 - b2) * mean)).
     mean = sumsq / float(period)
     return (sc.beta2 * v) + (sc.one_minus_beta2 * mean)

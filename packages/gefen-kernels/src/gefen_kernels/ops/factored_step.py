@@ -33,7 +33,7 @@ from .._numerics import FLT_MIN, f32
 from .._triton import jit, program_elements, require_triton, tl
 from ._device import check_device_for_triton, on_tensor_device, use_triton
 from ._step_kernels import launch_step
-from ._step_ref import StepScalars, denominator, make_scalars, run_step
+from ._step_ref import ComputeScalars, denominator, make_scalars, run_step
 from ._triton_helpers import LAUNCH_OPTIONS
 
 __all__ = [
@@ -90,7 +90,7 @@ def _row_col_sums(grad: Tensor, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
     return row_sum, col_sum
 
 
-def _ema(state: Tensor, total: Tensor, inv_count: float, sc: StepScalars) -> Tensor:
+def _ema(state: Tensor, total: Tensor, inv_count: float, sc: ComputeScalars) -> Tensor:
     """r' = f32(f32(b2 * r) + f32((1 - b2) * f32(sum * f32(1/C)))) (no device scalars)."""
     inv = f32(inv_count) if sc.dtype == torch.float32 else inv_count
     return (state.to(sc.dtype) * sc.beta2) + ((total * inv) * sc.one_minus_beta2)
@@ -125,7 +125,7 @@ def _check_stats(stats: Tensor | None, global_rows: int | None, param: Tensor) -
     V.check_state("stats", stats, _compute_dtype(param), (rows + cols + 1,), param.device)
 
 
-def _stats_scalars(cdt: torch.dtype, beta2: float) -> StepScalars:
+def _stats_scalars(cdt: torch.dtype, beta2: float) -> ComputeScalars:
     return make_scalars(dtype=cdt, lr=0.0, beta1=0.0, beta2=beta2, eps=0.0, bc1_recip=1.0,
                         bc2=1.0, decay=1.0, hyper=None)
 
@@ -147,7 +147,7 @@ def _partial_stats_reference(grad: Tensor, row: Tensor, cdt: torch.dtype,
 
 
 def _finalize_reference(row: Tensor, col: Tensor, stats: Tensor, global_rows: int,
-                        sc: StepScalars) -> Tensor:
+                        sc: ComputeScalars) -> Tensor:
     """Install ``r'`` and the ``k`` EMA from (reduced) ``stats``; returns ``1/rbar`` (0-dim)."""
     rows, cols = row.numel(), col.numel()
     row.copy_(stats[:rows])

@@ -78,6 +78,7 @@ from .factored_step import (
     stats_prefetch,
 )
 from .step_plan import StepPlan
+from .step_scalars import StepScalars
 
 __all__ = ["GROUP_SCRATCH_BYTES", "StepGroups", "tile_meta_row"]
 
@@ -460,8 +461,8 @@ class StepGroups:
         # Capturable steps (device_buffer): each plan's mode, for its scalars' formula, and
         # the device copies of the gradient offsets, kept because a captured graph reads the
         # copy it was captured with at every replay.
-        self.factored_mask = torch.tensor([plan.factored for plan in plans], dtype=torch.bool,
-                                          device=self.device)
+        self.factored = torch.tensor([plan.factored for plan in plans], dtype=torch.bool,
+                                     device=self.device)
         self._offset_tables: dict[tuple[int, ...], Tensor] = {}
 
     @staticmethod
@@ -479,7 +480,7 @@ class StepGroups:
         return (tuple(map(id, plans)) == self._ids
                 and self.signature(plans, grads) == self._signature)
 
-    def launch(self, grads: Sequence[Tensor], scalars: Sequence[tuple[float, float, float, float]],
+    def launch(self, grads: Sequence[Tensor], scalars: Sequence[StepScalars],
                seeds: Sequence[int] | None) -> None:
         """One step of every plan with gradients ``grads``: :meth:`stage` into a new device
         buffer, then :meth:`launch_staged`.
@@ -488,9 +489,9 @@ class StepGroups:
             grads: contiguous gradients, one per plan, fitting :meth:`matches` (the caller
                 checks; a grouped gradient that lost its 16-byte alignment raises
                 ``ValueError`` before anything is launched).
-            scalars: per plan ``(lr, bc1_recip, bc2, decay)`` already rounded to fp32 (as
-                :meth:`StepPlan.launch` takes them; ``bc2`` is ``bc2_rsqrt`` in block mode
-                and ``bc2_recip`` in factored mode).
+            scalars: per plan :class:`~gefen_kernels.ops.step_scalars.StepScalars` already
+                rounded to fp32 (as :meth:`StepPlan.launch` takes them; ``bc2`` is
+                ``bc2_rsqrt`` in block mode and ``bc2_recip`` in factored mode).
             seeds: per plan signed 64-bit stochastic-rounding seeds, or ``None`` (nearest).
 
         Raises:
@@ -506,7 +507,7 @@ class StepGroups:
         buffer = self.stage(grads, scalars, seeds)
         self.launch_staged(grads, buffer, scalars, seeds)
 
-    def stage(self, grads: Sequence[Tensor], scalars: Sequence[tuple[float, float, float, float]],
+    def stage(self, grads: Sequence[Tensor], scalars: Sequence[StepScalars],
               seeds: Sequence[int] | None, out: Tensor | None = None) -> Tensor:
         """Copy one step's per-plan values to the device: int64 ``[4 * n]`` holding the fp32
         scalars ``[n, 4]`` (the kernels' ``[lr, bc2, bc1_recip, decay]``), each grouped gradient's
@@ -520,8 +521,8 @@ class StepGroups:
         """
         n = len(self._plans)
         floats: list[float] = []
-        for lr, bc1, bc2, decay in scalars:
-            floats += (lr, bc2, bc1, decay)  # the kernels' [lr, bc2, bc1_recip, decay]
+        for sc in scalars:
+            floats += sc  # StepScalars: the kernels' order [lr, bc2, bc1_recip, decay]
         words = list(struct.unpack(f"<{2 * n}q", struct.pack(f"<{4 * n}f", *floats)))
         words += self._offsets(grads)
         words += [to_signed64(s) for s in seeds] if seeds is not None else [0] * n
@@ -578,7 +579,7 @@ class StepGroups:
         return torch.cat([words, offsets, seeds.to(torch.int64).reshape(-1)])
 
     def launch_staged(self, grads: Sequence[Tensor], buffer: Tensor,
-                      scalars: Sequence[tuple[float, float, float, float]] | None,
+                      scalars: Sequence[StepScalars] | None,
                       seeds: Sequence[int] | None, *, device_scalars: bool = False) -> None:
         """The kernels of one step, reading their per-step values from ``buffer``
         (:meth:`stage` of these ``grads``). Plans launched alone (not groupable, or the
@@ -595,8 +596,8 @@ class StepGroups:
                 return dict(lr=0.0, bc1_recip=0.0, bc2=0.0, decay=1.0, seed=0, hyper=hyper[i],
                             seed_tensor=seed_table[i:i + 1])
             assert scalars is not None
-            lr, bc1, bc2, decay = scalars[i]
-            return dict(lr=lr, bc1_recip=bc1, bc2=bc2, decay=decay,
+            sc = scalars[i]
+            return dict(lr=sc.lr, bc1_recip=sc.bc1_recip, bc2=sc.bc2, decay=sc.decay,
                         seed=0 if seeds is None else seeds[i])
 
         views = (hyper, gptr, seed_table)

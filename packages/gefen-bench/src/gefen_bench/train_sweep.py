@@ -23,6 +23,19 @@ from typing import Any
 Emit = Callable[[dict[str, Any]], None]
 
 
+def _training_job(kind: str) -> Callable[[dict[str, Any], Emit], dict[str, Any]]:
+    """The job function of one training run of a sweep (``lm`` or ``digits``)."""
+    if kind == "lm":
+        from .train_lm import run_lm_job
+
+        return run_lm_job
+    if kind == "digits":
+        from .train_digits import run_digits_job
+
+        return run_digits_job
+    raise ValueError(f"unknown sweep job kind {kind!r}; expected lm or digits")
+
+
 def run_sweep_job(job: dict[str, Any], emit: Emit) -> dict[str, Any]:
     """Run ``job["inner"]`` (the job kind of the task, ``"lm"`` or ``"digits"``) once per
     ``job["points"]`` entry (``{"optimizer", "lr"}``), each as its own training run from the
@@ -32,9 +45,7 @@ def run_sweep_job(job: dict[str, Any], emit: Emit) -> dict[str, Any]:
         ``{"points": [{"optimizer", "lr", "score", "result" | "error"}, ...]}``, ``score`` the
         validation loss (:func:`score`).
     """
-    from .worker import _job_function
-
-    fn = _job_function(job["inner"])
+    fn = _training_job(job["inner"])
     out = []
     for point in job["points"]:
         sub = {k: v for k, v in job.items() if k not in ("points", "inner")}

@@ -387,17 +387,17 @@ def traced_muon_step(opt: Any, closure: Callable[[], Any] | None) -> Any:
     return loss
 
 
-def traced_hybrid_step(hybrid: Any, closure: Callable[[], Any] | None) -> Any:
+def traced_hybrid_step(hybrid: Any, closure: Callable[[], Any] | None, *,
+                       backup_is_gefen: bool) -> Any:
     """:meth:`GefenMuonHybrid.step <gefen_core.GefenMuonHybrid.step>` while ``torch.compile``
     traces it: both halves' traced steps when both are steady (an AdamW backup always is:
-    torch compiles it), else the whole eager step outside the graph."""
-    from .optimizer import Gefen
-
+    torch compiles it), else the whole eager step outside the graph. ``backup_is_gefen``:
+    the backup is a :class:`gefen_core.Gefen` (whose steadiness is checked)."""
     loss = _run_closure(closure)
     muon, backup = hybrid.muon, hybrid.backup
     grouped = None if muon is None else _muon_groups(muon)
     if _scaler_attached(hybrid) or (muon is not None and grouped is None) or (
-            isinstance(backup, Gefen) and _steady_calls(backup) is None):
+            backup_is_gefen and _steady_calls(backup) is None):
         _step_outside_graph(hybrid)
         return loss
     if muon is not None and grouped is not None:

@@ -465,7 +465,8 @@ class GefenMuonHybrid(Optimizer):
         """
         if torch.compiler.is_compiling():
             # docs/algorithm.md#compiled-stepping
-            return _compiled_step.traced_hybrid_step(self, closure)
+            return _compiled_step.traced_hybrid_step(
+                self, closure, backup_is_gefen=isinstance(self.backup, Gefen))
         return self._eager_step(closure)
 
     def _eager_step(self, closure: Callable[[], Any] | None) -> Any:

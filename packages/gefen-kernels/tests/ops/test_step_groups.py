@@ -20,8 +20,8 @@ from kernels_inputs import (
 from gefen_kernels._numerics import f32
 from gefen_kernels.ops import step_groups
 from gefen_kernels.ops.step_groups import StepGroups
-from gefen_kernels.ops.step_scalars import StepScalars
 from gefen_kernels.ops.step_plan import StepPlan
+from gefen_kernels.ops.step_scalars import StepScalars
 
 
 def _device() -> str:

@@ -4,9 +4,9 @@
 ``gefen_kernels.ops.<op>`` is the dispatching public function for the step, quantize and
 histogram ops. :func:`fused_step` steps a list of tensors (planning, grouping, streams,
 CUDA-graph replay, steady-state records behind it): the one entry gefen-core's optimizers step
-through; :func:`reference_step` is the same step through the reference ops. ``period_scores`` is exported from the
-package root only, so ``gefen_kernels.ops.period_scores`` stays the module (its tests patch
-module constants through it).
+through; :func:`reference_step` is the same step through the reference ops. ``period_scores``
+is exported from the package root only, so ``gefen_kernels.ops.period_scores`` stays the module
+(its tests patch module constants through it).
 """
 
 from .block_step import block_step, block_step_reference, block_step_triton

@@ -45,8 +45,11 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._numerics import HISTOGRAM_BINS
+from ._quant_ref import nearest_codes, toward_zero_codes
+from ._search_table import build_kernel_table, cached, stochastic_kernel_table
 
 DIRECT_STEPS = -1  # the kernels' STEPS value for "use the decision table"
 STAGED_STEPS = -2  # the decision table followed by its staged section
@@ -131,9 +134,6 @@ Rounding = Callable[[Tensor, Tensor], Tensor]
 
 
 def _rounding(toward_zero: bool) -> Rounding:
-    # Imported here: _quant_ref imports the search table, which imports this module lazily.
-    from ._quant_ref import nearest_codes, toward_zero_codes
-
     return toward_zero_codes if toward_zero else nearest_codes
 
 
@@ -248,3 +248,31 @@ def kernel_table_layout(codebook: Tensor) -> tuple[Tensor, int] | None:
     codes = HISTOGRAM_BINS // 8
     return torch.cat([near, toward, staged_near[:codes], staged_toward[:codes],
                       staged_near[codes:], staged_toward[codes:]]), STAGED_STEPS
+
+
+# The nearest-rounding kernel tables, per codebook (weakly keyed).
+_NEAREST_CACHE = WeakIdKeyDictionary()
+
+
+def _build_nearest_table(codebook: Tensor) -> tuple[Tensor, int]:
+    built = kernel_table_layout(codebook)
+    if built is None:
+        return build_kernel_table(codebook)
+    table, steps = built
+    return table.to(codebook.device), steps
+
+
+def kernel_table(codebook: Tensor, *, stochastic: bool = False) -> tuple[Tensor, int]:
+    """Cached kernel table for ``codebook``: ``(table, STEPS)``.
+
+    Nearest rounding (``stochastic=False``) gets the decision tables of
+    :mod:`._decision_table`, here (nearest, and toward-zero for zero-gradient elements:
+    :func:`kernel_table_layout`) where the codebook allows them, with their
+    staged sections (``STEPS = STAGED_STEPS``) where those exist too, else alone
+    (``DIRECT_STEPS``); else the packed search table. Stochastic rounding needs the bracket
+    and always gets the packed search table (the toward-zero rounding then comes from the
+    bracket too). ``(codebook, 0)`` means "use the full search".
+    """
+    if stochastic:
+        return stochastic_kernel_table(codebook)
+    return cached(_NEAREST_CACHE, _build_nearest_table, codebook)

@@ -23,7 +23,7 @@ products (``LAUNCH_OPTIONS``: no fma contraction); offsets are int64.
 
 Pointer arguments: ``g_ptr`` grad (``N``, fp32/bf16/fp16), ``q_ptr`` uint8 codes ``[B, P]``,
 ``s_ptr`` fp32 scales ``[B]``, ``cb_ptr`` fp32 ``[256]``, ``table_ptr`` the search table of
-docs/algorithm.md#quantizer, packed (:func:`._search_table.kernel_table`; ``STEPS`` probes;
+docs/algorithm.md#quantizer, packed (:func:`._decision_table.kernel_table`; ``STEPS`` probes;
 ``STEPS=0``: full search), ``seed_ptr`` int64 ``[1]`` (``SEED_PTR``), ``u_ptr`` the output (``N``,
 the gradient's dtype). Constexprs: ``NESTEROV`` look-ahead, ``MAXIMIZE`` negate grad, ``STOCHASTIC``
 rounding, ``SEED_PTR`` read the seed from device memory (CUDA-graph capturable).
@@ -36,8 +36,8 @@ from torch import Tensor
 
 from .._numerics import f32, to_signed64
 from .._triton import jit, program_elements, require_triton, tl, triton
+from ._decision_table import kernel_table
 from ._device import check_device_for_triton
-from ._search_table import kernel_table
 from ._step_kernels import (
     LOOP_TILE,
     SPLIT_ELEMENTS,

@@ -13,7 +13,7 @@ cached per codebook tensor and its version counter; the cache is keyed on the te
 (weakly), so a new or modified codebook gets a new table. During CUDA-graph capture a missing
 table is not built: the kernels then take the full search (same codes).
 
-The Triton kernels use a packed form of the same table (:func:`kernel_table`, int64
+The Triton kernels use a packed form of the same table (:func:`build_kernel_table`, int64
 ``[4097 + 256]``) so one gather replaces several: entry ``b < 4097`` holds ``L[b]`` in its low
 32 bits and, in its high 32 bits, the fp32 bit pattern of ``c[L[b]]`` when bucket ``b`` holds a
 codeword (``L[b + 1] > L[b]``), else of ``+inf`` (the one probe of a single-step search reads it
@@ -23,7 +23,7 @@ two codewords around ``R = j`` of docs/algorithm.md#quantizer in one load. Only 
 copied: the kernels compare and subtract exactly the codewords the codebook holds.
 
 Nearest rounding usually takes the decision table of :mod:`._decision_table` instead (one
-lookup, no search): :func:`kernel_table` chooses.
+lookup, no search): :func:`._decision_table.kernel_table` chooses.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from .._numerics import HISTOGRAM_BINS
 # Keyed on tensor identity (a weak reference): tensors compare elementwise, not by identity.
 _CACHE = WeakIdKeyDictionary()
 _KERNEL_CACHE = WeakIdKeyDictionary()
-_NEAREST_CACHE = WeakIdKeyDictionary()
 
 KERNEL_PAIRS_OFFSET = HISTOGRAM_BINS + 1  # first pair entry of the packed kernel table
 
@@ -55,7 +54,7 @@ def build_search_table(codebook: Tensor) -> tuple[Tensor, int]:
     return table, max(1, widest.bit_length())
 
 
-def _cached(cache: Any, build: Callable[[Tensor], tuple[Tensor, int]],
+def cached(cache: Any, build: Callable[[Tensor], tuple[Tensor, int]],
             codebook: Tensor) -> tuple[Tensor, int]:
     """``build(codebook)`` cached per codebook tensor and version; ``(codebook, 0)`` ("use the
     full search") while a CUDA graph is being captured and nothing is cached yet."""
@@ -71,7 +70,7 @@ def _cached(cache: Any, build: Callable[[Tensor], tuple[Tensor, int]],
 
 def search_table(codebook: Tensor) -> tuple[Tensor, int]:
     """Cached table for ``codebook``; ``(codebook, 0)`` means "use the full search"."""
-    return _cached(_CACHE, build_search_table, codebook)
+    return cached(_CACHE, build_search_table, codebook)
 
 
 def _bits(values: Tensor) -> Tensor:
@@ -93,28 +92,7 @@ def build_kernel_table(codebook: Tensor) -> tuple[Tensor, int]:
     return torch.cat([entries, pairs]), steps
 
 
-def _build_nearest_table(codebook: Tensor) -> tuple[Tensor, int]:
-    # Imported here: the decision table is built with _quant_ref, which imports this module.
-    from ._decision_table import kernel_table_layout
-
-    built = kernel_table_layout(codebook)
-    if built is None:
-        return build_kernel_table(codebook)
-    table, steps = built
-    return table.to(codebook.device), steps
-
-
-def kernel_table(codebook: Tensor, *, stochastic: bool = False) -> tuple[Tensor, int]:
-    """Cached kernel table for ``codebook``: ``(table, STEPS)``.
-
-    Nearest rounding (``stochastic=False``) gets the decision tables of
-    :mod:`._decision_table` (nearest, and toward-zero for zero-gradient elements:
-    :func:`._decision_table.kernel_table_layout`) where the codebook allows them, with their
-    staged sections (``STEPS = STAGED_STEPS``) where those exist too, else alone
-    (``DIRECT_STEPS``); else the packed search table. Stochastic rounding needs the bracket
-    and always gets the packed search table (the toward-zero rounding then comes from the
-    bracket too). ``(codebook, 0)`` means "use the full search".
-    """
-    if stochastic:
-        return _cached(_KERNEL_CACHE, build_kernel_table, codebook)
-    return _cached(_NEAREST_CACHE, _build_nearest_table, codebook)
+def stochastic_kernel_table(codebook: Tensor) -> tuple[Tensor, int]:
+    """Cached :func:`build_kernel_table` of ``codebook`` (the table stochastic rounding
+    reads; :func:`._decision_table.kernel_table` chooses per rounding)."""
+    return cached(_KERNEL_CACHE, build_kernel_table, codebook)

@@ -27,7 +27,7 @@ fp16), ``q_ptr`` uint8 codes ``[B, P]``, ``s_ptr`` fp32 scales ``[B]``, ``v_ptr`
 moment ``[B]`` (block mode), ``row_ptr``/``col_ptr`` fp32 ``[R]``/``[C]`` and ``inv_rbar_ptr``
 fp32 ``[1]`` (factored mode), ``cb_ptr`` fp32 ``[256]``, ``hyper_ptr`` fp32 ``[4]``
 (``HYPER``), ``seed_ptr`` int64 ``[1]`` (``SEED_PTR``), ``table_ptr`` the packed int64 search
-table of :func:`._search_table.kernel_table` (``STEPS`` probes; ``STEPS=0``: full search, table
+table of :func:`._decision_table.kernel_table` (``STEPS`` probes; ``STEPS=0``: full search, table
 unused). All arithmetic is fp32. Constexprs: ``FACTORED`` mode, ``MAXIMIZE`` negate grad,
 ``STOCHASTIC`` rounding, ``HYPER``/``SEED_PTR`` read scalars from device memory (CUDA-graph
 capturable), ``OFFS64`` int64 offsets (tensors near 2**31 elements, :func:`needs_int64`; else
@@ -43,8 +43,8 @@ from torch import Tensor
 
 from .._numerics import f32, to_signed64
 from .._triton import jit, program_elements, require_triton, tl, triton
+from ._decision_table import kernel_table
 from ._device import check_device_for_triton
-from ._search_table import kernel_table
 from ._step_ref import denominator
 from ._triton_helpers import (
     LAUNCH_OPTIONS,

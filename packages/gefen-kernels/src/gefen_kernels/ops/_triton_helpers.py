@@ -115,7 +115,7 @@ def tl_codeword_bracket(x, cb_ptr, table_ptr, STEPS: tl.constexpr):  # type: ign
 
     ``STEPS = 0``: full 8-probe search over ``cb_ptr`` and two codebook gathers.
     ``STEPS > 0``: ``table_ptr`` is the packed int64 table of
-    :func:`gefen_kernels.ops._search_table.kernel_table`; the lower bound lies in
+    :func:`gefen_kernels.ops._decision_table.kernel_table`; the lower bound lies in
     ``[lo(b), lo(b + 1)]`` for ``b`` the bucket of ``x`` and ``STEPS`` halvings find it (the
     same index as the full search). With ``STEPS = 1`` a bucket holds at most one codeword,
     whose value the entry carries: one gather instead of three. ``c[L]`` and ``c[R]`` come

@@ -1,5 +1,6 @@
 """The Gefen step of a list of tensors: the one entry gefen-core steps through
-(docs/algorithm.md#block-second-moment, docs/algorithm.md#factored-second-moment, docs/algorithm.md#step).
+(docs/algorithm.md#block-second-moment, docs/algorithm.md#factored-second-moment,
+docs/algorithm.md#step).
 
 :func:`fused_step` advances each tensor's counters, computes its per-step scalars
 (:class:`StepScalars`) and runs the fused update of ``block_step`` / ``factored_step`` on every

@@ -22,9 +22,9 @@ from torch import Tensor
 
 from .._numerics import f32
 from .._triton import program_elements, require_triton, triton
+from ._decision_table import kernel_table
 from ._device import check_device_for_triton, on_tensor_device, use_triton
 from ._group_kernels import _group_tile_kernel
-from ._search_table import kernel_table
 from ._step_kernels import TILE_ELEMENTS, TILE_MAX_PERIOD, needs_int64, tile_warps
 from ._triton_helpers import LAUNCH_OPTIONS
 from .block_step import _check, block_step_reference, block_step_triton

@@ -18,9 +18,9 @@ from .. import _numerics
 from .. import _validation as V
 from .._numerics import to_signed64
 from .._triton import jit, program_elements, require_triton, tl, triton
+from ._decision_table import kernel_table
 from ._device import check_device_for_triton, on_tensor_device, use_triton
 from ._quant_ref import nearest_codes, sr_uniform_int64, stochastic_codes
-from ._search_table import kernel_table
 from ._triton_helpers import LAUNCH_OPTIONS, tl_quantize_nearest, tl_quantize_stochastic
 
 __all__ = [
@@ -109,7 +109,7 @@ def _quantize_kernel(x_ptr, cb_ptr, table_ptr, out_ptr, numel, seed, offset,  # 
     """Codeword search over a flat tensor.
 
     x_ptr: ``[numel]`` contiguous, fp32/bf16/fp16 (converted to fp32); cb_ptr: fp32 ``[256]``;
-    table_ptr: int64 ``[4353]`` packed search table (:func:`._search_table.kernel_table`;
+    table_ptr: int64 ``[4353]`` packed search table (:func:`._decision_table.kernel_table`;
     ``STEPS`` probes; 0: full search, table unused);
     out_ptr: uint8 ``[numel]``. seed, offset: int64 (two's complement of the 64-bit key).
     STOCHASTIC: stochastic rounding with ``U(seed, offset + i)``, else nearest. TOWARD_ZERO:

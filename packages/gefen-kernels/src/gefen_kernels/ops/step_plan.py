@@ -27,8 +27,8 @@ from torch import Tensor
 
 from .._numerics import f32, to_signed64
 from .._triton import require_triton
+from ._decision_table import kernel_table
 from ._device import check_device_for_triton
-from ._search_table import kernel_table
 from ._step_kernels import (
     LOOP_TILE,
     _step_loop_kernel,

@@ -440,7 +440,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("rows,cols,consts,total_chunk,expect", LAYOUTS)
 def test_triton_statistics_layouts(monkeypatch, rows, cols, consts, total_chunk, expect) -> None:
-    fs = importlib.import_module("gefen_kernels.ops.factored_step")
+    fs = importlib.import_module("gefen_kernels.ops._factored_step_kernels")
     monkeypatch.setattr(fs, "program_elements", lambda gpu: gpu)
     for name, value in consts.items():
         monkeypatch.setattr(fs, name, value)

@@ -4,8 +4,8 @@
 Every program looks up its tensor in an int64 *meta table* (one row per tensor, columns in
 :data:`META`) through an int32 *program map* (program -> row), then runs exactly the per-program
 work of the one-tensor kernels (:func:`._step_kernels._tile_blocks`,
-:func:`._step_kernels._flat_update`, :func:`.factored_step._stats_program`,
-:func:`.factored_step._finalize_program`) with the tensor's own sizes.
+:func:`._step_kernels._flat_update`, :func:`._factored_step_kernels._stats_program`,
+:func:`._factored_step_kernels._finalize_program`) with the tensor's own sizes.
 
 **Same compiled layout, same bits.** The order of a block or row sum inside a program follows
 the register layout Triton picks, and that follows what the compiler knows about the
@@ -35,9 +35,9 @@ per-tensor scalars (``hyper_ptr``, fp32 ``[T, 4]``: lr, bc2, bc1_recip, decay) a
 from __future__ import annotations
 
 from .._triton import jit, tl
+from ._factored_step_kernels import _finalize_program, _stats_program
 from ._step_kernels import _flat_update, _tile_blocks
 from ._triton_helpers import _low_float
-from .factored_step import _finalize_program, _stats_program
 
 # Columns of the meta table (int64). Block-mode rows leave the factored columns 0.
 META = (
@@ -45,13 +45,14 @@ META = (
     "exp_avg_sq_col", "t", "num_blocks", "period", "ncols", "ncols_magic", "ncols_shift",
     "tile_first",  # first program of this tensor in the tile launch
     "nrows", "n_col_tiles", "n_splits", "tiles_per_split", "rows_per_program",
-    "n_row_programs",  # the statistics layout (factored_step.stats_layout)
+    "n_row_programs",  # the statistics layout (_factored_step_kernels.stats_layout)
     "region",  # start of the tensor's scratch, in units of 4 floats
     "col_part", "block_sum", "inv_rbar",  # float offsets inside the region
     "ticket",  # index into ticket_ptr
     "stats_first", "finalize_first",  # first programs in the statistics / finalize launches
     "inv_c", "inv_r",  # fp32 bits of f32(1/C), f32(1/R)
-    "stats_items",  # work items per statistics program (factored_step.stats_items_per_program)
+    # work items per statistics program (_factored_step_kernels.stats_items_per_program)
+    "stats_items",
     # The flat update (FLAT_UPDATE classes): its first program, elements / 16, and the
     # period's divider (_step_kernels.ncols_divider).
     "update_first", "numel16", "period_magic", "period_shift",
@@ -172,9 +173,9 @@ def _group_stats_kernel(meta_ptr, prog_ptr, gptr_ptr, g_base, scratch_ptr, ticke
                         SPEC_TPS: tl.constexpr, SPEC_RPP: tl.constexpr,
                         COL_PART_ALIGNED: tl.constexpr, PREFETCH: tl.constexpr):
     """The statistics kernel over the factored gradients of one class: program ``pid`` runs
-    :func:`.factored_step._stats_program` of its tensor (``stats_items`` work items each, the
-    tensor's program count ``cdiv(n_row_programs * n_splits, stats_items)``). The item count
-    is passed unspecialised: it only steers the loop, never a layout."""
+    :func:`._factored_step_kernels._stats_program` of its tensor (``stats_items`` work items
+    each, the tensor's program count ``cdiv(n_row_programs * n_splits, stats_items)``). The
+    item count is passed unspecialised: it only steers the loop, never a layout."""
     pid = tl.program_id(0)
     row = _meta_row(meta_ptr, prog_ptr, pid)
     g_ptr = g_base + tl.load(gptr_ptr + tl.load(row + 5)) * G_VEC

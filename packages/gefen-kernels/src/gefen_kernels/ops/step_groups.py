@@ -60,6 +60,14 @@ import torch
 from torch import Tensor
 
 from .._numerics import f32, to_signed64
+from ._factored_step_kernels import (
+    _FIN_COLS,
+    _FIN_CONSTS,
+    _FIN_ROWS,
+    _cdiv,
+    stats_items_per_program,
+    stats_prefetch,
+)
 from ._group_kernels import (
     META,
     _group_finalize_kernel,
@@ -69,14 +77,6 @@ from ._group_kernels import (
 )
 from ._step_kernels import FLAT_CHUNKS, FLAT_WARPS, ncols_divider
 from ._triton_helpers import LAUNCH_OPTIONS
-from .factored_step import (
-    _FIN_COLS,
-    _FIN_CONSTS,
-    _FIN_ROWS,
-    _cdiv,
-    stats_items_per_program,
-    stats_prefetch,
-)
 from .step_plan import StepPlan
 from .step_scalars import StepScalars
 

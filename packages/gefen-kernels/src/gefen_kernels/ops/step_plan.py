@@ -102,7 +102,7 @@ class StepPlan:
         self.ncols = int(param.shape[1]) if self.factored else 1
         self._stats_layout = None
         if self.factored:
-            from .factored_step import stats_layout
+            from ._factored_step_kernels import stats_layout
 
             self._stats_layout = stats_layout(int(param.shape[0]), self.ncols)
         b1, b2 = f32(beta1), f32(beta2)

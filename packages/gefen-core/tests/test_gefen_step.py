@@ -195,7 +195,7 @@ def test_capturable_seeds_of_a_step_are_mixed_in_one_launch_with_the_host_values
     assert len(opt._salt_tensors) == 1
     # Other lists of stepped tensors: the first few get a table, the rest mix their seeds per
     # tensor (the same values), so the tables stay bounded.
-    from gefen_core.optimizer import _SALT_TABLES
+    from gefen_core._seeds import _SALT_TABLES
 
     for extra in range(_SALT_TABLES + 3):
         more = [([None], 0, name_salt(f"t{extra}.{i}")) for i in range(3)]

@@ -57,6 +57,7 @@ __all__ = [
     "optimal_codebook",
     "optimal_quantizer",
     "optimal_quantizer_endpoints",
+    "remap_codes",
     "solve_forced_zero",
 ]
 
@@ -409,3 +410,30 @@ def _few_points(x: np.ndarray, w: np.ndarray, k: int) -> tuple[np.ndarray, float
         mean = (wl[best] * x[best] + wr[best] * x[best + 1]) / (wl[best] + wr[best])
         out = np.concatenate([[-1.0], x[:best], [mean], x[best + 2:], [1.0]])
     return out, float(options[choice])
+
+
+# Codes re-mapped at once on a codebook refresh: 2**23 elements (docs/algorithm.md#step).
+_REMAP_CHUNK = 1 << 23
+
+
+def remap_codes(codes: Tensor, old: Tensor, new: Tensor) -> Tensor:
+    """Momentum codes re-quantised from codebook ``old`` to codebook ``new`` (a codebook
+    refresh, docs/algorithm.md#step): each code's value ``old[q]`` rounded to the nearest
+    codeword of ``new``, in chunks of 2**23 codes (bounded scratch).
+
+    Args:
+        codes: uint8 codes, any shape, on any device.
+        old, new: fp32 ``[256]`` codebooks (moved to ``codes``' device).
+
+    Returns:
+        uint8 codes of ``codes``' shape and device (a new tensor).
+    """
+    from gefen_kernels.ops import quantize_nearest_reference
+
+    flat = codes.reshape(-1)
+    out = torch.empty_like(flat)
+    old_d, new_d = old.to(codes.device), new.to(codes.device)
+    for start in range(0, flat.numel(), _REMAP_CHUNK):
+        chunk = flat[start:start + _REMAP_CHUNK]
+        out[start:start + _REMAP_CHUNK] = quantize_nearest_reference(old_d[chunk.long()], new_d)
+    return out.view_as(codes)

@@ -21,13 +21,11 @@ from . import _compiled_step, _docs, _params, _seeds, _steady_step
 from . import amp as _amp
 from . import dispatch as _dispatch
 from . import nonfinite as _nonfinite
-from ._seeds import _SALT_TABLES, _SEED_MIX, _to_signed64, mix_seed, name_salt  # noqa: F401
+from ._seeds import mix_seed, name_salt
+from .codebook import remap_codes
 from .functional import gefen as _gefen_functional
 
 __all__ = ["Gefen"]
-
-# Chunk of codes re-mapped at once on a codebook refresh: 2**23 elements, docs/algorithm.md#step.
-_REMAP_CHUNK = 1 << 23
 
 
 class Gefen(Optimizer):
@@ -484,18 +482,6 @@ class Gefen(Optimizer):
         counts = self._reduce_histogram(counts)
         return optimal_codebook(counts, device=self._anchor_device())
 
-    def _remap_codes(self, codes: Tensor, old: Tensor, new: Tensor) -> Tensor:
-        from gefen_kernels.ops import quantize_nearest_reference
-
-        flat = codes.reshape(-1)
-        out = torch.empty_like(flat)
-        old_d, new_d = old.to(codes.device), new.to(codes.device)
-        for start in range(0, flat.numel(), _REMAP_CHUNK):
-            chunk = flat[start:start + _REMAP_CHUNK]
-            out[start:start + _REMAP_CHUNK] = quantize_nearest_reference(
-                old_d[chunk.long()], new_d)
-        return out.view_as(codes)
-
     # ------------------------------------------------------------------ step
     def _capture_guard(self) -> None:
         if not torch.cuda.is_available() or not torch.cuda.is_current_stream_capturing():
@@ -811,7 +797,7 @@ class Gefen(Optimizer):
         assert self._codebook is not None
         new = self._learn(live, periods)
         remapped = {
-            p: self._remap_codes(st["exp_avg_codes"], self._codebook, new)
+            p: remap_codes(st["exp_avg_codes"], self._codebook, new)
             for p, st in self.state.items() if isinstance(p, Tensor) and "exp_avg_codes" in st
         }
         for p, codes in remapped.items():

@@ -348,12 +348,14 @@ def tests_floor(session: nox.Session, package: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff; pins/extras/manifest sync; the docs check (links, anchors, citations, work-log
-    wording); the scripts' tests; GitHub workflow schema validation."""
+    wording); the source check (no private cross-package import, no import cycle, no file over
+    900 lines); the scripts' tests; GitHub workflow schema validation."""
     session.install(
         "ruff", "packaging", "pytest", "pyyaml", "check-jsonschema", "tomli; python_version<'3.11'"
     )
     session.run("python", "scripts/check_extras_sync.py")
     session.run("python", "scripts/check_docs.py")
+    session.run("python", "scripts/check_imports.py")
     workflows = sorted(str(p) for p in (ROOT / ".github" / "workflows").glob("*.yml"))
     session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
     session.run("python", "scripts/check_workflows.py", *workflows)

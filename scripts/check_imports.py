@@ -1,6 +1,7 @@
-"""Import hygiene of the monorepo's packages: no private cross-package import, no import cycle.
+"""Source hygiene of the monorepo's packages: no private cross-package import, no import cycle,
+no oversized source file.
 
-Two rules over every ``.py`` file under ``packages/*/src``, with every ``import`` statement
+Three rules over every ``.py`` file under ``packages/*/src``, with every ``import`` statement
 counted wherever it stands (module level, inside a function or a class, under ``try``), except
 those under ``if TYPE_CHECKING:`` for the cycle rule (they never run):
 
@@ -11,6 +12,8 @@ those under ``if TYPE_CHECKING:`` for the cycle rule (they never run):
 * **Import cycle.** The graph whose nodes are modules and whose edges are "module A imports
   module B" (``from pkg.mod import name`` is an edge to ``pkg.mod``, and to ``pkg.mod.name``
   when that is a module) has no cycle. An edge to a package means its ``__init__``.
+* **Size.** No source file has more than :data:`MAX_LINES` lines, and the files of
+  :data:`LINE_LIMITS` (the thin layers) stay within theirs.
 
 Usage: ``python scripts/check_imports.py [ROOT]`` (default: the repository root). Prints each
 violation and exits 1 when there is any, else prints a one-line summary and exits 0.
@@ -26,6 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+MAX_LINES = 900
+#: Tighter limits, by path relative to the repository root: the torch.optim-shaped functional
+#: layer is a dispatcher, not a place for launch code.
+LINE_LIMITS = {"packages/gefen-core/src/gefen_core/functional.py": 400}
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,8 @@ def modules(root: Path) -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _walk(node: ast.AST, runtime: bool = True) -> Iterator[tuple[ast.AST, bool]]:
@@ -107,9 +115,11 @@ def private_imports(found: dict[str, Path], all_imports: list[Import]) -> list[s
             continue
         what = imp.target if imp.name is None else f"{imp.target}.{imp.name}"
         if _private(what):
-            errors.append(f"{found[imp.source]}:{imp.line}: {imp.source} imports the private "
-                          f"name {what} of another package (make it public and documented in "
-                          f"{top}, or drop the need)")
+            errors.append(
+                f"{found[imp.source]}:{imp.line}: {imp.source} imports the private "
+                f"name {what} of another package (make it public and documented in "
+                f"{top}, or drop the need)"
+            )
     return errors
 
 
@@ -196,21 +206,43 @@ def _one_cycle(comp: list[str], edges: dict[str, set[str]]) -> list[str]:
     return comp  # unreachable for a strongly connected component
 
 
+def oversized(root: Path, found: dict[str, Path]) -> list[str]:
+    """``file: message`` for each source file over its line limit."""
+    errors = []
+    for path in sorted(found.values()):
+        rel = path.relative_to(root).as_posix()
+        limit = LINE_LIMITS.get(rel, MAX_LINES)
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > limit:
+            errors.append(f"{path}: {n} lines, over the limit of {limit} (split it)")
+    return errors
+
+
 def check(root: Path) -> list[str]:
     """Every violation under ``root`` as one line each (empty: clean)."""
     found = modules(root)
     all_imports = [imp for name, path in found.items() for imp in imports(name, path)]
-    errors = private_imports(found, all_imports)
+    errors = private_imports(found, all_imports) + oversized(root, found)
     for cycle in cycles(graph(found, all_imports)):
-        errors.append("import cycle: " + " -> ".join(cycle[0]) + " (modules in the cycle: "
-                      + ", ".join(cycle[1]) + ")")
+        errors.append(
+            "import cycle: "
+            + " -> ".join(cycle[0])
+            + " (modules in the cycle: "
+            + ", ".join(cycle[1])
+            + ")"
+        )
     return errors
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", nargs="?", type=Path, default=ROOT,
-                        help="repository root holding packages/*/src (default: this one)")
+    parser.add_argument(
+        "root",
+        nargs="?",
+        type=Path,
+        default=ROOT,
+        help="repository root holding packages/*/src (default: this one)",
+    )
     args = parser.parse_args(argv)
     errors = check(args.root)
     for line in errors:
@@ -218,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     if errors:
         print(f"check_imports: {len(errors)} problem(s)", file=sys.stderr)
         return 1
-    print(f"check_imports: {len(modules(args.root))} modules, no private cross-package "
-          "import, no cycle")
+    print(
+        f"check_imports: {len(modules(args.root))} modules, no private cross-package "
+        f"import, no cycle, none over {MAX_LINES} lines"
+    )
     return 0
 
 

@@ -480,7 +480,8 @@ def test_triton_statistics_layouts(monkeypatch, rows, cols, consts, total_chunk,
     # The row-shard path with unreduced sums (PHASE 1 then 2) equals the one-call step (PHASE 0).
     two = clone_state(st)
     two_p = param.clone()
-    stats = fs._partial_stats_triton(grad, two["row"], BETA2)
+    launchers = importlib.import_module("gefen_kernels.ops.factored_step")
+    stats = launchers._partial_stats_triton(grad, two["row"], BETA2)
     factored_step_triton(two_p, grad, two["codes"], two["scale"], two["row"], two["col"], cb_,
                          **hp, stats=stats, global_rows=rows)
     assert_bitwise(two_p, one_p, "param")

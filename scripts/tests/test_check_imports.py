@@ -99,7 +99,11 @@ def test_oversized_files_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     files["a-dist/src/pkg_a/big.py"] = "x = 1\n" * 6
     files["a-dist/src/pkg_a/thin.py"] = "x = 1\n" * 3
     monkeypatch.setattr(check_imports, "MAX_LINES", 5)
-    monkeypatch.setattr(check_imports, "LINE_LIMITS", {"packages/a-dist/src/pkg_a/thin.py": 2})
+    monkeypatch.setattr(
+        check_imports,
+        "LINE_LIMITS",
+        {"/".join(("packages", "a-dist", "src", "pkg_a", "thin.py")): 2},
+    )
     errors = check_imports.check(_tree(tmp_path, files))
     assert [e.split(": ", 1)[1] for e in errors] == [
         "6 lines, over the limit of 5 (split it)",

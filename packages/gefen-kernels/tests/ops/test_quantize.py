@@ -440,9 +440,8 @@ def _decode_kernel_staged(table: torch.Tensor, x: torch.Tensor, toward_zero: boo
 
 @pytest.mark.parametrize("which", list(_decision_codebooks()))
 def test_decision_table_matches_the_reference(which: str) -> None:
-    from gefen_kernels.ops._decision_table import DIRECT_STEPS, STAGED_STEPS
+    from gefen_kernels.ops._decision_table import DIRECT_STEPS, STAGED_STEPS, kernel_table
     from gefen_kernels.ops._quant_ref import toward_zero_codes
-    from gefen_kernels.ops._search_table import kernel_table
     from gefen_kernels.ops.quantize import _launch_quantize
 
     dev = _device()
@@ -473,14 +472,14 @@ def test_staged_lookup_reads_only_its_section() -> None:
     section and not the head words; elsewhere the head words and not the staged section.
     Overwriting the part that must not be read with garbage leaves every code unchanged."""
     from gefen_kernels._triton import gather_supported
-    from gefen_kernels.ops import _search_table
+    from gefen_kernels.ops import _decision_table
     from gefen_kernels.ops._decision_table import STAGED_STEPS
     from gefen_kernels.ops._quant_ref import toward_zero_codes
     from gefen_kernels.ops.quantize import _launch_quantize
 
     dev = _device()
     cb = _learned_zero_codebook().to(dev)
-    table = _search_table.kernel_table(cb)[0].clone()
+    table = _decision_table.kernel_table(cb)[0].clone()
     x = _hard_values(table, cb.cpu())
     want = quantize_nearest_reference(x, cb.cpu()).long()
     garbage = torch.randint(-2**62, 2**62, (table.numel(),), generator=torch.Generator()
@@ -488,12 +487,12 @@ def test_staged_lookup_reads_only_its_section() -> None:
     unread = slice(0, 4 * 4096) if gather_supported() else slice(4 * 4096, None)
     table[unread] = garbage[unread]
     # The launcher takes its table from the cache: put the damaged one there.
-    _search_table._NEAREST_CACHE[cb] = (cb._version, table, STAGED_STEPS)
+    _decision_table._NEAREST_CACHE[cb] = (cb._version, table, STAGED_STEPS)
     try:
         got = _launch_quantize(x.to(dev), cb, 0, 0, False)
         got_toward = _launch_quantize(x.to(dev), cb, 0, 0, False, toward_zero=True)
     finally:
-        del _search_table._NEAREST_CACHE[cb]
+        del _decision_table._NEAREST_CACHE[cb]
     assert torch.equal(got.cpu().long(), want)
     assert torch.equal(got_toward.cpu().long(), toward_zero_codes(x, cb.cpu()))
 
@@ -538,8 +537,7 @@ def test_decision_table_search_near_the_midpoint_equals_the_whole_bucket(monkeyp
 
 
 def test_decision_table_refuses_two_jumps_in_one_bucket() -> None:
-    from gefen_kernels.ops._decision_table import build_decision_table
-    from gefen_kernels.ops._search_table import kernel_table
+    from gefen_kernels.ops._decision_table import build_decision_table, kernel_table
 
     crowded = torch.cat([torch.tensor([-1.0]), torch.linspace(-1e-3, 1e-3, 254),
                          torch.tensor([1.0])])
@@ -569,8 +567,7 @@ def test_bucket_key_ranges_partition_the_floats() -> None:
 
 
 def test_make_codebook_covers_both_nearest_paths() -> None:
-    from gefen_kernels.ops._decision_table import DIRECT_STEPS, STAGED_STEPS
-    from gefen_kernels.ops._search_table import kernel_table
+    from gefen_kernels.ops._decision_table import DIRECT_STEPS, STAGED_STEPS, kernel_table
 
     for seed in range(6):
         steps = kernel_table(make_codebook(seed))[1]

@@ -343,7 +343,7 @@ def test_device_buffer_equals_the_staged_buffer() -> None:
     plans = _plans(items, cb, maximize=False, stochastic_round=True)
     grads = [it["grad"] for it in items]
     groups = StepGroups(plans, grads)
-    assert groups.factored_mask.tolist() == [c[4] for c in CASES]
+    assert groups.factored.tolist() == [c[4] for c in CASES]
     scalars = [_scalars(j, c[4]) for j, c in enumerate(CASES)]
     seeds = [31 * j - 7 for j in range(len(CASES))]
     hyper = torch.tensor([[lr, bc2, bc1, decay] for lr, bc2, bc1, decay in scalars],

@@ -138,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the shared LR grid as multiples of each task's AdamW LR "
                              "(default: 0.5,1,2)")
     parser.add_argument("--steps", type=int, default=None, help="override the LM step count")
+    parser.add_argument("--sweep-steps", type=int, default=None,
+                        help="override the steps of each LM LR-sweep run (the preset's "
+                             "sweep_steps; at most --steps)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="override the epoch count of both digits tasks")
     parser.add_argument("--seed", type=int, default=0, help="LM model-initialisation seed")
@@ -179,10 +182,11 @@ def _check_args(args: argparse.Namespace) -> tuple[Preset, list[str], list[str],
             if t in absent:
                 raise argparse.ArgumentTypeError(f"--preset {preset.name} has no {t} task")
     tasks = [t for t in tasks if t not in absent]
-    for flag in ("steps", "epochs", "threads", "jobs"):
+    for flag in ("steps", "sweep_steps", "epochs", "threads", "jobs"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise argparse.ArgumentTypeError(f"--{flag} must be >= 1, got {value}")
+            raise argparse.ArgumentTypeError(
+                f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     names = (registry.parse_names(args.optimizers) if args.optimizers
              else list(registry.TRAIN_DEFAULT))
     if "adamw" not in names:
@@ -202,7 +206,8 @@ def _preset_config(preset: Preset, task: str) -> Any:
 
 def _task_config(preset: Preset, task: str, args: argparse.Namespace) -> dict[str, Any]:
     if task == "lm":
-        return as_dict(with_overrides(preset.lm, steps=args.steps))
+        return as_dict(with_overrides(preset.lm, steps=args.steps,
+                                      sweep_steps=getattr(args, "sweep_steps", None)))
     cfg = _preset_config(preset, task)
     assert cfg is not None
     return as_dict(with_overrides(cfg, epochs=args.epochs))

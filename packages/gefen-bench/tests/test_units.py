@@ -164,7 +164,7 @@ def test_worker_failure_is_reported_verbatim() -> None:
     out = run_job({"kind": "nonsense"}, timeout_s=60)
     assert out.status == "failed"
     assert out.error == ("ValueError: unknown job kind 'nonsense'; expected lm, digits, arch, "
-                         "step or sweep")
+                         "step, sweep or fit")
 
 
 def test_digits_mlp_shapes_and_size() -> None:

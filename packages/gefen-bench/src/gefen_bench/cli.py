@@ -8,6 +8,7 @@ Subcommands:
   codebook  codebook-solver timing
   profile   per-kernel device time of one Gefen step, and the state census
   resume    Trainer-resume gate (docs/algorithm.md#distributed)
+  fit       the largest Llama-shaped model each optimizer can train on this device
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> dict``.
 Invalid options exit with status 2 and a message naming the option and the fix.
@@ -32,6 +33,7 @@ SUBCOMMANDS = {
     "codebook": ("codebook_timing", "time the exact optimal codebook solver"),
     "profile": ("profile_step", "per-kernel time of a Gefen step on GPT-2/Llama-3.2-1B shapes"),
     "resume": ("resume", "Trainer-resume gate: interrupted + resumed == uninterrupted"),
+    "fit": ("fit", "the largest Llama-shaped model each optimizer can train on this device"),
 }
 
 

@@ -16,6 +16,7 @@ goes to stderr, of which the parent keeps the tail for failure reports.
 from __future__ import annotations
 
 import collections
+import heapq
 import json
 import os
 import subprocess
@@ -42,6 +43,8 @@ class JobOutcome:
         error: the failure, verbatim (exception line, or exit code and stderr tail).
         stderr_tail: the last lines the process wrote to stderr.
         wall_s: wall time of the process in seconds (start-up included).
+        started: ``time.monotonic()`` when the process was started (0 where not run);
+            with ``wall_s`` it places the run on the invocation's time line.
     """
 
     status: str
@@ -49,6 +52,7 @@ class JobOutcome:
     error: str | None
     stderr_tail: str
     wall_s: float
+    started: float = 0.0
 
 
 def run_job(job: dict[str, Any], *, on_event: EventHandler | None = None,
@@ -66,6 +70,7 @@ def run_job(job: dict[str, Any], *, on_event: EventHandler | None = None,
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
         job = {**job, "threads": threads}
+    started = time.monotonic()
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "gefen_bench.worker"],
@@ -114,14 +119,99 @@ def run_job(job: dict[str, Any], *, on_event: EventHandler | None = None,
     wall = time.perf_counter() - start
     stderr_tail = "".join(tail)
     if timed_out.is_set():
-        return JobOutcome("timeout", None, f"timed out after {timeout_s:.0f} s", stderr_tail, wall)
+        return JobOutcome("timeout", None, f"timed out after {timeout_s:.0f} s", stderr_tail,
+                          wall, started)
     if final is not None and final["event"] == "result":
-        return JobOutcome("ok", final["result"], None, stderr_tail, wall)
+        return JobOutcome("ok", final["result"], None, stderr_tail, wall, started)
     if final is not None:
-        return JobOutcome("failed", None, final["error"], final.get("traceback", ""), wall)
+        return JobOutcome("failed", None, final["error"], final.get("traceback", ""), wall,
+                          started)
     last = stderr_tail.strip().splitlines()[-1:] or ["(no output)"]
     return JobOutcome("failed", None, f"worker exited with code {proc.returncode}: {last[0]}",
-                      stderr_tail, wall)
+                      stderr_tail, wall, started)
+
+
+class JobQueue:
+    """Worker jobs run ``parallel`` at a time, each in its own process, with jobs added while
+    others run: what ``on_done`` returns for a finished job is queued at once, so a job that
+    depends on earlier ones (a reported run on its tuned LR) starts as soon as they end,
+    beside whatever else is still running.
+
+    Among queued jobs the highest ``priority`` starts first (ties: the order of
+    :meth:`submit`). ``on_event`` and ``on_done`` are called one at a time (under one lock), in
+    the threads that wait on the processes.
+    """
+
+    def __init__(self, parallel: int = 1, *, on_event: EventHandler | None = None,
+                 timeout_s: float | None = None, threads: int | None = None,
+                 on_done: Callable[[dict[str, Any], JobOutcome], Any] | None = None) -> None:
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
+        self.parallel = parallel
+        self.timeout_s = timeout_s
+        self.threads = threads
+        self._on_event = on_event
+        self._on_done = on_done
+        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._heap: list[tuple[float, int, dict[str, Any]]] = []
+        self._seq = 0
+        self._running = 0
+        self._error: BaseException | None = None
+
+    def submit(self, job: dict[str, Any], priority: float = 0.0) -> None:
+        """Queue ``job``; callable before :meth:`run` and from ``on_done``."""
+        with self._cond:
+            heapq.heappush(self._heap, (-priority, self._seq, job))
+            self._seq += 1
+            self._cond.notify_all()
+
+    def _event(self, event: dict[str, Any]) -> None:
+        if self._on_event is not None:
+            with self._lock:
+                self._on_event(event)
+
+    def _worker(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap and self._running:
+                    self._cond.wait()
+                if not self._heap:
+                    self._cond.notify_all()
+                    return
+                _, _, job = heapq.heappop(self._heap)
+                self._running += 1
+            try:
+                out = run_job(job, on_event=self._event, timeout_s=self.timeout_s,
+                              threads=self.threads)
+                if self._on_done is not None:
+                    with self._lock:
+                        follow = self._on_done(job, out)
+                    for item in follow or ():
+                        new_job, priority = item if isinstance(item, tuple) else (item, 0.0)
+                        self.submit(new_job, priority)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by run()
+                with self._cond:
+                    self._error = self._error or exc
+                    self._heap.clear()
+            finally:
+                with self._cond:
+                    self._running -= 1
+                    self._cond.notify_all()
+
+    def run(self) -> None:
+        """Run until no job is queued or running. ``on_done(job, outcome)`` may return jobs
+        (or ``(job, priority)`` pairs) to queue next."""
+        workers = [threading.Thread(target=self._worker, daemon=True)
+                   for _ in range(self.parallel)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            # Join with a timeout so that Ctrl-C reaches the main thread.
+            while w.is_alive():
+                w.join(timeout=0.5)
+        if self._error is not None:
+            raise self._error
 
 
 def run_jobs(jobs: list[dict[str, Any]], *, parallel: int = 1,
@@ -130,26 +220,21 @@ def run_jobs(jobs: list[dict[str, Any]], *, parallel: int = 1,
              on_done: Callable[[int, JobOutcome], None] | None = None) -> list[JobOutcome]:
     """Run ``jobs`` (each in its own process), ``parallel`` at a time; results in job order.
 
-    ``on_done(index, outcome)`` is called (in this thread, one at a time) as each job ends.
+    ``on_done(index, outcome)`` is called (one at a time) as each job ends.
     """
-    lock = threading.Lock()
+    outcomes: dict[int, JobOutcome] = {}
+    copies = [dict(job) for job in jobs]
+    index = {id(job): i for i, job in enumerate(copies)}
 
-    def locked(event: dict[str, Any]) -> None:
-        if on_event is not None:
-            with lock:
-                on_event(event)
-
-    def one(index: int) -> JobOutcome:
-        out = run_job(jobs[index], on_event=locked, timeout_s=timeout_s, threads=threads)
+    def done(job: dict[str, Any], out: JobOutcome) -> None:
+        i = index[id(job)]
+        outcomes[i] = out
         if on_done is not None:
-            with lock:
-                on_done(index, out)
-        return out
+            on_done(i, out)
 
-    if parallel <= 1:
-        return [one(i) for i in range(len(jobs))]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
-        futures = [pool.submit(one, i) for i in range(len(jobs))]
-        return [f.result() for f in futures]
+    queue = JobQueue(parallel, on_event=on_event, timeout_s=timeout_s, threads=threads,
+                     on_done=done)
+    for job in copies:
+        queue.submit(job)
+    queue.run()
+    return [outcomes[i] for i in range(len(jobs))]

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--device {args.device}: {exc}") from None
     dtype = getattr(torch, args.dtype)
-    skipped = {n: r for n in names if (r := registry.availability(n)) is not None}
+    skipped = {n: r for n in names if (r := registry.availability(n, plain_step=True)) is not None}
     external = [n for n in names if registry.get_spec(n).external]
     if external:
         raise argparse.ArgumentTypeError(

@@ -64,6 +64,13 @@ class OptimizerSpec:
         compiled: ``gefen-bench step`` times the step through ``torch.compile`` (default mode)
             after an eager first step, the recipe of docs/compile.md; only that command runs
             it (:func:`availability`).
+        steps_in_backward: the optimizers ``build`` returns update each parameter during
+            ``loss.backward()`` (from gradient hooks the builder registers) and free its
+            gradient there, so the trainers call no separate ``opt.step()``
+            (:func:`step`), clip no gradients, and ``gefen-bench fit`` counts no full set of
+            gradients. The builder receives the model (``model=``) to register its hooks on.
+            ``gefen-bench step`` and ``memory``, which step without a backward pass, skip
+            such an entry (:func:`availability`).
     """
 
     name: str
@@ -76,6 +83,7 @@ class OptimizerSpec:
     options: dict[str, object] = field(default_factory=dict)
     graph: bool = False
     compiled: bool = False
+    steps_in_backward: bool = False
 
 
 def split_for_muon(
@@ -118,6 +126,64 @@ def _build_adamw(named: NamedParams, *, lr: float, weight_decay: float, device: 
                  ) -> list[torch.optim.Optimizer]:
     kw: dict[str, Any] = dict(_adamw_impl(device) if impl is None else impl)
     return [torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=weight_decay, **kw)]
+
+
+class AdamWFP32State(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected moments) whose ``exp_avg`` and
+    ``exp_avg_sq`` are float32 whatever the parameters' dtype: the "fp32 state" AdamW of
+    mixed-precision training without a float32 master copy. Each step computes in float32
+    and writes the parameter back in its own dtype (round to nearest).
+
+    State per parameter: ``step`` (float32 scalar tensor), ``exp_avg`` and ``exp_avg_sq``
+    (float32, the parameter's shape): 8 bytes per parameter element.
+
+    Raises:
+        ValueError: ``lr``, ``eps`` or ``weight_decay`` negative, or a beta outside [0, 1).
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"lr, eps and weight_decay must be >= 0, got lr={lr}, eps={eps}, "
+                             f"weight_decay={weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                t = float(state["step"])
+                grad = p.grad.float()
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt_().add_(eps)
+                update = state["exp_avg"] / denom
+                value = p.float().mul_(1 - lr * wd).add_(update, alpha=-lr / (1 - beta1 ** t))
+                p.copy_(value)
+        return loss
+
+
+def _build_adamw_fp32_state(named: NamedParams, *, lr: float, weight_decay: float,
+                            device: torch.device, model: nn.Module | None = None,
+                            ) -> list[torch.optim.Optimizer]:
+    return [AdamWFP32State([p for _, p in named], lr=lr, weight_decay=weight_decay)]
 
 
 def _gefen_class(name: str) -> type:
@@ -192,6 +258,11 @@ REGISTRY: dict[str, OptimizerSpec] = {
     for spec in [
         OptimizerSpec("adamw", "torch.optim.AdamW (fused where torch has it, else foreach)",
                       1.0, _build_adamw, min_bytes_per_param=14.0),
+        # torch.optim.AdamW keeps its moments in the parameters' dtype (bf16 parameters:
+        # bf16 state); this entry keeps them in float32 over the same parameters.
+        OptimizerSpec("adamw-fp32-state",
+                      "AdamW with float32 exp_avg/exp_avg_sq over any parameter dtype", 1.0,
+                      _build_adamw_fp32_state, min_bytes_per_param=20.0),
         OptimizerSpec("adamw-fused", "torch.optim.AdamW(fused=True)", 1.0,
                       lambda n, **kw: _build_adamw(n, impl={"fused": True}, **kw),
                       min_bytes_per_param=14.0, options={"fused": True}),
@@ -281,6 +352,11 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       lambda n, **kw: _build_external(n, factored_v_2d=False, **kw),
                       requires="--target gefen-x=DIR", external="gefen-x",
                       min_bytes_per_param=8.0, options={"factored_v_2d": False}),
+        # Hook for an entry that steps inside the backward pass (e.g. "gefen-in-backward":
+        # a builder that calls gefen_core.step_in_backward(model or named, lr=...,
+        # weight_decay=...) and returns its optimizers): declare it with
+        # steps_in_backward=True, and `train` and `fit` drive it through step() and
+        # availability() with no other change.
         OptimizerSpec("gefen-1.2", "published gefen 1.2.3 Gefen (own process)",
                       GEFEN_LR_RATIO,
                       _build_external, requires="--target gefen=DIR", external="gefen",
@@ -334,15 +410,20 @@ def external_version(target: str) -> str | None:
 
 
 def availability(name: str, targets: dict[str, str] | None = None,
-                 device: torch.device | None = None) -> str | None:
+                 device: torch.device | None = None, *, plain_step: bool = False
+                 ) -> str | None:
     """``None`` when ``name`` can run here, else the reason it is skipped (one line).
 
     ``device``: where ``gefen-bench step`` runs; CUDA-graph entries (``graph=True``) run only
     there, on a CUDA device, and compiled-step entries (``compiled=True``) only there (other
-    commands pass no device and skip both).
+    commands pass no device and skip both). ``plain_step``: the command calls ``opt.step()``
+    with no backward pass (``step``, ``memory``), which an entry that steps inside the
+    backward pass (``steps_in_backward``) cannot do.
     """
     spec = get_spec(name)
     targets = targets or {}
+    if spec.steps_in_backward and plain_step:
+        return "steps inside the backward pass: this command steps with no backward pass"
     if spec.compiled and device is None:
         return "a compiled-step entry: only gefen-bench step compiles and times it"
     if spec.graph:
@@ -403,6 +484,16 @@ def load_external_gefen(target: str) -> str:
     sys.modules["gefen"] = module
     spec.loader.exec_module(module)
     return external_version(target) or "unknown"
+
+
+def step(name: str, opts: Sequence[torch.optim.Optimizer]) -> None:
+    """The optimizer step of one training step, after ``loss.backward()``: every optimizer
+    of ``opts`` steps, unless entry ``name`` steps inside the backward pass
+    (``steps_in_backward``), where the update has already happened."""
+    if get_spec(name).steps_in_backward:
+        return
+    for o in opts:
+        o.step()
 
 
 def build(name: str, named: NamedParams, *, lr: float, weight_decay: float,

@@ -184,8 +184,10 @@ def _legend(ax: Any) -> None:
 
 def plot_train(path: Path, lm: dict[str, dict[str, Any]], digits: dict[str, dict[str, Any]],
                title: str) -> Path:
-    """PNG: LM train/held-out loss curves, digits held-out loss, and bars of peak memory,
-    throughput and optimizer state bytes/param (one colour per optimizer)."""
+    """PNG of the tasks that ran, one colour per optimizer: LM train and held-out loss curves
+    and held-out loss per optimizer (mean, with the range over seeds where there are
+    several), digits CNN held-out loss, and bars of peak memory, throughput and optimizer
+    state bytes/param. A task that did not run has no panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,47 +195,83 @@ def plot_train(path: Path, lm: dict[str, dict[str, Any]], digits: dict[str, dict
 
     names = list(dict.fromkeys([*lm, *digits]))
     colours = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-    ax = axes[0][0]
-    for n, r in lm.items():
-        ax.plot(range(1, len(r["train_loss"]) + 1), _smooth(r["train_loss"]),
-                label=f"{n} (lr {r['lr']:.2g})", color=colours[n])
-    ax.set(title="byte-level LM: train loss (EMA 0.95)", xlabel="step", ylabel="nats/byte")
-    _legend(ax)
-    ax = axes[0][1]
-    for n, r in lm.items():
-        if r["eval_loss"]:
-            s, v = zip(*r["eval_loss"])
-            ax.plot(s, v, marker="o", label=n, color=colours[n])
-    ax.set(title="byte-level LM: held-out loss", xlabel="step", ylabel="nats/byte")
-    _legend(ax)
-    ax = axes[0][2]
-    for n, r in digits.items():
-        curves = [run["eval_curve"] for run in r["runs"]]
-        epochs = [c[0] for c in curves[0]]
-        mean = [sum(c[i][1] for c in curves) / len(curves) for i in range(len(epochs))]
-        ax.plot(epochs, mean, marker=".", label=f"{n} ({100 * r['accuracy_mean']:.2f}%)",
-                color=colours[n])
-    ax.set(title="digits CNN: held-out loss (mean of seeds)", xlabel="epoch", ylabel="loss")
-    ax.set_yscale("log")
-    _legend(ax)
 
-    def bars(ax: Any, values: dict[str, float], title: str, unit: str) -> None:
-        keys = list(values)
-        ax.bar(range(len(keys)), [values[k] for k in keys], color=[colours[k] for k in keys])
+    def train_curves(ax: Any) -> None:
+        for n, r in lm.items():
+            ax.plot(range(1, len(r["train_loss"]) + 1), _smooth(r["train_loss"]),
+                    label=f"{n} (lr {r['lr']:.2g})", color=colours[n])
+        ax.set(title="byte-level LM: train loss (EMA 0.95)", xlabel="step", ylabel="nats/byte")
+        _legend(ax)
+
+    def eval_curves(ax: Any) -> None:
+        for n, r in lm.items():
+            if r["eval_loss"]:
+                s, v = zip(*r["eval_loss"])
+                ax.plot(s, v, marker="o", label=n, color=colours[n])
+        ax.set(title="byte-level LM: held-out loss", xlabel="step", ylabel="nats/byte")
+        _legend(ax)
+
+    def final_loss(ax: Any) -> None:
+        keys = list(lm)
+        means = [lm[k]["final_eval_loss"] for k in keys]
+        runs = [lm[k].get("final_eval_loss_runs") or [lm[k]["final_eval_loss"]] for k in keys]
+        err = [[m - min(r) for m, r in zip(means, runs)], [max(r) - m for m, r in zip(means, runs)]]
+        ax.bar(range(len(keys)), means, yerr=err, capsize=3, color=[colours[k] for k in keys])
         ax.set_xticks(range(len(keys)), keys, rotation=30, ha="right", fontsize=8)
-        ax.set(title=title, ylabel=unit)
-        for i, k in enumerate(keys):
-            ax.annotate(f"{values[k]:.3g}", (i, values[k]), ha="center", va="bottom", fontsize=8)
+        finite = [m for m in means if math.isfinite(m)]
+        if finite:
+            ax.set_ylim(min(finite) * 0.97, max(finite) * 1.03)
+        ax.set(title="LM: final held-out loss (mean; bars: range over seeds)",
+               ylabel="nats/byte")
+        for i, m in enumerate(means):
+            ax.annotate(f"{m:.4f} ({len(runs[i])})", (i, m), ha="center", va="bottom",
+                        fontsize=7)
 
-    bars(axes[1][0], {n: (mib(r["memory"]["peak_over_start_bytes"]) or 0.0)
-                      for n, r in lm.items()},
-         "LM: peak memory over start", "MiB")
-    bars(axes[1][1], {n: r["tokens_per_s"] for n, r in lm.items()}, "LM: throughput",
-         "tokens/s")
+    def digits_curves(ax: Any) -> None:
+        for n, r in digits.items():
+            curves = [run["eval_curve"] for run in r["runs"]]
+            epochs = [c[0] for c in curves[0]]
+            mean = [sum(c[i][1] for c in curves) / len(curves) for i in range(len(epochs))]
+            ax.plot(epochs, mean, marker=".", label=f"{n} ({100 * r['accuracy_mean']:.2f}%)",
+                    color=colours[n])
+        ax.set(title="digits CNN: held-out loss (mean of seeds)", xlabel="epoch", ylabel="loss")
+        ax.set_yscale("log")
+        _legend(ax)
+
+    def bars(values: dict[str, float], title: str, unit: str) -> Any:
+        def draw(ax: Any) -> None:
+            keys = list(values)
+            ax.bar(range(len(keys)), [values[k] for k in keys],
+                   color=[colours[k] for k in keys])
+            ax.set_xticks(range(len(keys)), keys, rotation=30, ha="right", fontsize=8)
+            ax.set(title=title, ylabel=unit)
+            for i, k in enumerate(keys):
+                ax.annotate(f"{values[k]:.3g}", (i, values[k]), ha="center", va="bottom",
+                            fontsize=8)
+        return draw
+
+    panels: list[Any] = []
+    if lm:
+        panels += [train_curves, eval_curves, final_loss]
+    if digits:
+        panels.append(digits_curves)
+    if lm:
+        panels += [bars({n: (mib(r["memory"]["peak_over_start_bytes"]) or 0.0)
+                         for n, r in lm.items()}, "LM: peak memory over start", "MiB"),
+                   bars({n: r["tokens_per_s"] for n, r in lm.items()}, "LM: throughput",
+                        "tokens/s")]
     src = lm or digits
-    bars(axes[1][2], {n: r["state"]["bytes_per_param"] for n, r in src.items()},
-         "optimizer state", "bytes/param")
+    if src:
+        panels.append(bars({n: r["state"]["bytes_per_param"] for n, r in src.items()},
+                           "optimizer state", "bytes/param"))
+    cols = min(3, max(1, len(panels)))
+    rows = max(1, -(-len(panels) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.4 * cols, 4.25 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax, draw in zip(flat, panels):
+        draw(ax)
+    for ax in flat[len(panels):]:
+        ax.set_axis_off()
     return save_figure(fig, title, path)
 
 

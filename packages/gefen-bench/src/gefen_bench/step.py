@@ -396,7 +396,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--device {args.device}: {exc}") from None
     skipped = {n: r for n in names
-               if (r := registry.availability(n, targets, device)) is not None}
+               if (r := registry.availability(n, targets, device, plain_step=True)) is not None}
     for n, reason in skipped.items():
         console.print(f"[yellow]skipped[/yellow] {n}: {escape(reason)}")
     start = time.perf_counter()

@@ -11,7 +11,13 @@ grid point by validation loss, on a split disjoint from the held-out one
 (:mod:`.train_sweep`); the same sweep runs give the equal-LR comparison. ``--no-lr-sweep``
 runs every optimizer at the task's AdamW LR times the registry's ``lr_scale`` (1 for Gefen);
 ``--lr`` overrides either. Each reported (task, optimizer) run has its own process so that its
-memory figure is its own.
+memory figure is its own; ``--seeds`` repeats the LM's reported runs over several
+initialisation seeds (mean and spread, :mod:`.train_report`).
+
+Sweep runs and reported runs share one job runner (:class:`~.jobs.JobQueue`, ``--jobs`` at
+a time): an optimizer's reported runs start as soon as its own sweep points are in, and
+``train.json`` is rewritten after every finished run, so a cut-off invocation keeps what it
+finished (``"complete": false``).
 """
 
 from __future__ import annotations
@@ -28,20 +34,28 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import optimizers as registry
 from .data import save_digits_splits
-from .jobs import JobOutcome, run_job, run_jobs
+from .jobs import JobOutcome, JobQueue
 from .measure import resolve_device
 from .presets import PRESETS, Preset, as_dict, get_preset, with_overrides
-from .report import console, fmt, mib, plot_train, print_table, write_json
+from .report import console, fmt, plot_train, write_json
+from .train_report import (
+    LM_STATE_RATIO,
+    LOSS_TOLERANCE,
+    aggregate_seeds,
+    print_sweeps,
+    print_tables,
+    verdicts,
+)
 from .train_sweep import choose, equal_lr, grid_lrs
+
+__all__ = ["LM_STATE_RATIO", "LOSS_TOLERANCE", "add_arguments", "run"]
+# The name the unit tests import.
+_verdicts = verdicts
 
 TASKS = ("lm", "digits", "digits-mlp")
 DIGITS_TASKS = ("digits", "digits-mlp")
 # The shared LR grid, as multiples of each task's AdamW LR (the same values for every optimizer).
 DEFAULT_SWEEP_GRID = (0.5, 1.0, 2.0)
-# The bar on every task: held-out loss (mean over seeds) within 2% of AdamW's, each optimizer
-# at its own tuned LR; on the LM also at most 1/3 of AdamW's state.
-LOSS_TOLERANCE = 0.02
-LM_STATE_RATIO = 1 / 3
 
 
 def parse_assignments(values: list[str] | None, flag: str) -> dict[str, str]:
@@ -88,6 +102,18 @@ def parse_grid(text: str) -> tuple[float, ...]:
     return grid
 
 
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``"0,1"`` → ``(0, 1)``: distinct integers, at least one."""
+    try:
+        seeds = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--seeds: {text!r} is not a list of integers (e.g. --seeds 0,1)") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds: {text!r} needs distinct integers")
+    return seeds
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``train``'s options on ``parser``."""
     parser.add_argument("--preset", default="cpu-default", choices=list(PRESETS),
@@ -112,9 +138,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the shared LR grid as multiples of each task's AdamW LR "
                              "(default: 0.5,1,2)")
     parser.add_argument("--steps", type=int, default=None, help="override the LM step count")
+    parser.add_argument("--sweep-steps", type=int, default=None,
+                        help="override the steps of each LM LR-sweep run (the preset's "
+                             "sweep_steps; at most --steps)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="override the epoch count of both digits tasks")
     parser.add_argument("--seed", type=int, default=0, help="LM model-initialisation seed")
+    parser.add_argument("--seeds", type=parse_seeds, default=None, metavar="S,S,...",
+                        help="LM model-initialisation seeds of the reported runs (e.g. 0,1): "
+                             "held-out loss is reported as the mean and spread over them and "
+                             "the verdicts compare means (default: --seed alone; the LR "
+                             "sweep uses the first)")
+    parser.add_argument("--seeds-for", default=None, metavar="NAMES",
+                        help="comma-separated optimizers that run every --seeds seed; the "
+                             "others run the first only (default: all)")
     parser.add_argument("--data-seed", type=int, default=1234, help="LM data-order seed")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
     parser.add_argument("--target", action="append", metavar="PKG=DIR",
@@ -123,8 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per worker process (default: torch's choice)")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="worker processes at once (default 1; with more, throughput "
-                             "figures share the CPU and only loss/memory/state compare)")
+                        help="worker processes at once, LR-sweep runs and reported runs alike "
+                             "(default 1; with more, throughput figures share the device and "
+                             "only loss/memory/state compare)")
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds before one optimizer's run is killed (default 3600)")
     parser.add_argument("--out", type=Path, default=Path("gefen-bench-out/train"),
@@ -144,10 +182,11 @@ def _check_args(args: argparse.Namespace) -> tuple[Preset, list[str], list[str],
             if t in absent:
                 raise argparse.ArgumentTypeError(f"--preset {preset.name} has no {t} task")
     tasks = [t for t in tasks if t not in absent]
-    for flag in ("steps", "epochs", "threads", "jobs"):
+    for flag in ("steps", "sweep_steps", "epochs", "threads", "jobs"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise argparse.ArgumentTypeError(f"--{flag} must be >= 1, got {value}")
+            raise argparse.ArgumentTypeError(
+                f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     names = (registry.parse_names(args.optimizers) if args.optimizers
              else list(registry.TRAIN_DEFAULT))
     if "adamw" not in names:
@@ -167,7 +206,8 @@ def _preset_config(preset: Preset, task: str) -> Any:
 
 def _task_config(preset: Preset, task: str, args: argparse.Namespace) -> dict[str, Any]:
     if task == "lm":
-        return as_dict(with_overrides(preset.lm, steps=args.steps))
+        return as_dict(with_overrides(preset.lm, steps=args.steps,
+                                      sweep_steps=getattr(args, "sweep_steps", None)))
     cfg = _preset_config(preset, task)
     assert cfg is not None
     return as_dict(with_overrides(cfg, epochs=args.epochs))
@@ -210,147 +250,249 @@ class _Bars:
                              description=f"{label}  loss {fmt(loss)}")
 
 
-def _run(job: dict[str, Any], bars: _Bars, args: argparse.Namespace) -> JobOutcome:
-    return run_job(job, on_event=bars, timeout_s=args.timeout, threads=args.threads)
-
-
-def _sweep_task(task: str, names: list[str], config: dict[str, Any], args: argparse.Namespace,
-                device: str, targets: dict[str, str], bars: _Bars) -> dict[str, Any]:
-    """Every optimizer of ``names`` at every LR of the task's shared grid, scored on the
-    validation split (:mod:`.train_sweep`); one worker process for the package's own
-    optimizers, one per published-package optimizer."""
-    lrs = grid_lrs(float(config["adamw_lr"]), args.sweep_grid)
+def _sweep_extra(task: str, config: dict[str, Any]) -> dict[str, Any]:
     extra: dict[str, Any] = {"eval_split": "val"}
     if task == "lm":
         extra["steps"] = min(config["sweep_steps"], config["steps"])
     else:
         extra["epochs"] = min(config["sweep_epochs"], config["epochs"])
         extra["seeds"] = list(config["seeds"][:config["sweep_seeds"]])
-    native = [n for n in names if registry.get_spec(n).external is None]
-    groups = ([native] if native else []) + [[n] for n in names if n not in native]
-    points: list[dict[str, Any]] = []
+    return extra
+
+
+def sweep_jobs(task: str, names: list[str], config: dict[str, Any], args: argparse.Namespace,
+               device: str, targets: dict[str, str]) -> list[dict[str, Any]]:
+    """The LR-sweep jobs of ``task`` (job kind ``"sweep"``, :mod:`.train_sweep`): every
+    optimizer of ``names`` at every LR of the task's shared grid, scored on the validation
+    split, in optimizer order so that each optimizer's sweep ends early and its reported runs
+    can start.
+
+    With ``--jobs 1`` the package's own optimizers share one process per task (torch is
+    imported once) and each published-package optimizer has one; with more, every (optimizer,
+    LR) point is a job of its own, so the points run side by side and the job runner balances
+    them with the reported runs.
+    """
+    lrs = grid_lrs(float(config["adamw_lr"]), args.sweep_grid)
+    extra = _sweep_extra(task, config)
+    if args.jobs > 1:
+        groups = [[(n, lr)] for n in names for lr in lrs]
+    else:
+        native = [n for n in names if registry.get_spec(n).external is None]
+        groups = ([[(n, lr) for n in native for lr in lrs]] if native else []) + [
+            [(n, lr) for lr in lrs] for n in names if n not in native]
+    jobs = []
     for group in groups:
-        job = _job(task, group[0], lrs[0], config, args, device, targets, **extra)
-        job.update(kind="sweep", inner=job["kind"],
-                   points=[{"optimizer": n, "lr": lr} for n in group for lr in lrs])
-        out = _run(job, bars, args)
-        if out.status == "ok" and out.result is not None:
-            points += out.result["points"]
+        job = _job(task, group[0][0], group[0][1], config, args, device, targets, **extra)
+        job.update(kind="sweep", inner=job["kind"], role="sweep",
+                   label=f"sweep {task} · {group[0][0]}" + (
+                       f" · lr {group[0][1]:.3g}" if len(group) == 1 else ""),
+                   points=[{"optimizer": n, "lr": lr} for n, lr in group])
+        jobs.append(job)
+    return jobs
+
+
+class _Invocation:
+    """The state of one ``gefen-bench train`` invocation while its jobs run.
+
+    Every job — LR-sweep runs and reported runs — goes through one :class:`~.jobs.JobQueue`.
+    When the last sweep point of a (task, optimizer) is in, its tuned LR is chosen and its
+    reported runs are queued ahead of the remaining sweep points. ``train.json`` is rewritten
+    (atomically, :func:`~.report.write_json`) after every finished run, sweep points
+    included, with ``"complete": false`` until the end.
+    """
+
+    def __init__(self, args: argparse.Namespace, preset: Preset, tasks: list[str],
+                 runnable: list[str], configs: dict[str, dict[str, Any]], device: str,
+                 targets: dict[str, str], skipped: dict[str, str],
+                 lrs: dict[str, dict[str, float]], lr_source: dict[str, dict[str, str]],
+                 seeds: tuple[int, ...], seeds_for: set[str]) -> None:
+        self.args, self.preset, self.tasks, self.runnable = args, preset, tasks, runnable
+        self.configs, self.device, self.targets, self.skipped = configs, device, targets, skipped
+        self.lrs, self.lr_source = lrs, lr_source
+        self.seeds, self.seeds_for = seeds, seeds_for
+        self.results: dict[str, dict[str, Any]] = {t: {} for t in tasks}
+        self.seed_runs: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+        self.failed: dict[str, str] = {}
+        self.sweeps: dict[str, dict[str, Any]] = {}
+        self.pending: dict[tuple[str, str], set[float]] = {}
+        self.wall: dict[str, float] = {}
+        self.start = time.monotonic()
+        self.bars: _Bars | None = None
+        self.queue = JobQueue(args.jobs, on_event=self.on_event, timeout_s=args.timeout,
+                              threads=args.threads, on_done=self.on_done)
+
+    # -- job construction ------------------------------------------------------------------
+    def seeds_of(self, task: str, name: str) -> tuple[int, ...]:
+        if task != "lm":
+            return (self.args.seed,)
+        return self.seeds if name in self.seeds_for else self.seeds[:1]
+
+    def final_jobs(self, task: str, name: str) -> list[tuple[dict[str, Any], float]]:
+        out = []
+        for seed in self.seeds_of(task, name):
+            job = _job(task, name, self.lrs[task][name], self.configs[task], self.args,
+                       self.device, self.targets)
+            job.update(role="final", seed=seed)
+            if task == "lm" and len(self.seeds_of(task, name)) > 1:
+                job["label"] += f" · seed {seed}"
+            # Reported runs are longer than sweep points: queued ahead of them.
+            out.append((job, 1.0))
+        return out
+
+    def initial_jobs(self) -> list[tuple[dict[str, Any], float]]:
+        jobs: list[tuple[dict[str, Any], float]] = []
+        lr_overrides = self.args.lr_overrides
+        for t in self.tasks:
+            swept = [n for n in self.runnable
+                     if (t, n) not in lr_overrides and (None, n) not in lr_overrides]
+            if not self.args.lr_sweep:
+                swept = []
+            if swept:
+                lrs = grid_lrs(float(self.configs[t]["adamw_lr"]), self.args.sweep_grid)
+                self.sweeps[t] = {"grid": lrs, "grid_multipliers": list(self.args.sweep_grid),
+                                  **_sweep_extra(t, self.configs[t]),
+                                  "metric": "validation loss" + (
+                                      "" if t == "lm" else " (mean over seeds)"),
+                                  "points": [], "tuned": {}, "equal_lr": {}}
+                for n in swept:
+                    self.pending[(t, n)] = set(lrs)
+                jobs += [(j, 0.0) for j in sweep_jobs(t, swept, self.configs[t], self.args,
+                                                      self.device, self.targets)]
+            for n in self.runnable:
+                if n not in swept:
+                    jobs += self.final_jobs(t, n)
+        return jobs
+
+    # -- recording ---------------------------------------------------------------------------
+    def _relative(self, out: JobOutcome) -> dict[str, float]:
+        return {"started_s": round(out.started - self.start, 3),
+                "wall_s": round(out.wall_s, 3)}
+
+    def record_point(self, task: str, point: dict[str, Any]) -> list[tuple[dict[str, Any], float]]:
+        """Keep one sweep point; once ``point``'s optimizer has all its grid points, choose
+        its tuned LR and return its reported jobs."""
+        key = (task, point["optimizer"])
+        left = self.pending.get(key)
+        if left is None or point["lr"] not in left:
+            return []  # already recorded (from its event), or not part of this sweep
+        left.discard(point["lr"])
+        sw = self.sweeps[task]
+        sw["points"].append(point)
+        if left:
+            return []
+        name = point["optimizer"]
+        sw["tuned"][name] = choose(sw["points"], name, self.lrs[task][name])
+        if sw["tuned"][name]["chosen"]:
+            self.lrs[task][name] = sw["tuned"][name]["lr"]
+            self.lr_source[task][name] = "--lr-sweep (shared grid, validation loss)"
+        if "adamw" in sw["tuned"]:
+            sw["equal_lr"] = {n: equal_lr(sw["points"], n) for n in sw["tuned"] if n != "adamw"}
+        return self.final_jobs(task, name)
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """Progress bars; a sweep point finished inside a multi-point sweep process is kept
+        (and ``train.json`` rewritten) at once, not when its process ends."""
+        if event.get("event") == "sweep_point":
+            follow = self.record_point(event["task"], event["point"])
+            self.write_partial()
+            for job, priority in follow:
+                self.queue.submit(job, priority)
+            return
+        if self.bars is not None:
+            self.bars(event)
+
+    def on_done(self, job: dict[str, Any], out: JobOutcome
+                ) -> list[tuple[dict[str, Any], float]]:
+        task = job["task"]
+        follow: list[tuple[dict[str, Any], float]] = []
+        if job["role"] == "sweep":
+            got = {(p["optimizer"], p["lr"]): p
+                   for p in ((out.result or {}).get("points") or [])}
+            for p in job["points"]:
+                point = got.get((p["optimizer"], p["lr"])) or {
+                    **p, "score": math.inf, "error": f"{out.status}: {out.error}"}
+                follow += self.record_point(task, point)
+                if len(job["points"]) == 1:
+                    # A point of its own process: where that process ran on the time line.
+                    for kept in self.sweeps[task]["points"]:
+                        if (kept["optimizer"], kept["lr"]) == (p["optimizer"], p["lr"]):
+                            kept["process"] = self._relative(out)
+            if out.status != "ok":
+                self._report_failure(f"sweep {task}/{job['optimizer']}", out)
         else:
-            points += [{"optimizer": n, "lr": lr, "score": math.inf,
-                        "error": f"{out.status}: {out.error}"} for n in group for lr in lrs]
-    return {"grid": lrs, "grid_multipliers": list(args.sweep_grid), **extra,
-            "metric": "validation loss" + ("" if task == "lm" else " (mean over seeds)"),
-            "points": points}
-
-
-def _held_out_loss(task: str, r: dict[str, Any]) -> float:
-    return r["final_eval_loss"] if task == "lm" else r["final_eval_loss_mean"]
-
-
-def _verdicts(results: dict[str, dict[str, Any]], sweeps: dict[str, dict[str, Any]],
-              tuned: bool) -> list[dict[str, Any]]:
-    """Every Gefen-family optimizer against AdamW on every task: held-out loss within 2%
-    (mean over seeds), each at its own LR (tuned by the sweep when ``tuned``); on the LM
-    also at most 1/3 of AdamW's state. The equal-LR gap (validation, sweep runs) at AdamW's
-    tuned LR is reported beside it."""
-    out: list[dict[str, Any]] = []
-    at = "each at its own tuned LR" if tuned else "at the LRs given"
-    for task, res in results.items():
-        ref = res.get("adamw")
-        if ref is None:
-            continue
-        for name, r in res.items():
-            if not name.startswith("gefen"):
-                continue
-            ratio = _held_out_loss(task, r) / _held_out_loss(task, ref) - 1
-            v: dict[str, Any] = {"task": task, "optimizer": name, "lr": r["lr"],
-                                 "adamw_lr": ref["lr"], "held_out_loss_vs_adamw": ratio}
-            ok = ratio <= LOSS_TOLERANCE
-            bar = f"held-out loss <= AdamW's +2% ({at})"
-            if task == "lm":
-                v["state_vs_adamw"] = (r["state"]["bytes_per_param"]
-                                       / ref["state"]["bytes_per_param"])
-                ok = ok and v["state_vs_adamw"] <= LM_STATE_RATIO
-                bar += " at <= 1/3 of its state"
+            name = job["optimizer"]
+            tag = f"{task}/{name}" + (f"/seed{job['seed']}" if task == "lm"
+                                      and len(self.seeds_of(task, name)) > 1 else "")
+            self.wall[tag] = out.wall_s
+            if out.status == "ok" and out.result is not None:
+                out.result.update(lr_source=self.lr_source[task][name],
+                                  process_wall_s=out.wall_s, seed=job["seed"],
+                                  process=self._relative(out))
+                self.seed_runs.setdefault((task, name), {})[job["seed"]] = out.result
+                self._fold(task, name)
             else:
-                v["accuracy_vs_adamw"] = r["accuracy_mean"] - ref["accuracy_mean"]
-            sweep = sweeps.get(task)
-            if sweep and name in sweep.get("equal_lr", {}):
-                same = [e for e in sweep["equal_lr"][name] if e["lr"] == ref["lr"]]
-                v["equal_lr_val_loss_vs_adamw"] = same[0]["vs_ref"] if same else None
-            out.append({**v, "pass": bool(ok), "bar": bar})
-    return out
+                self.failed[tag] = f"{out.status}: {out.error}"
+                self._report_failure(tag, out)
+        self.write_partial()
+        return follow
 
+    def _fold(self, task: str, name: str) -> None:
+        runs = self.seed_runs[(task, name)]
+        ordered = [runs[s] for s in self.seeds_of(task, name) if s in runs]
+        self.results[task][name] = aggregate_seeds(ordered) if task == "lm" else ordered[0]
 
-def _print_tables(results: dict[str, dict[str, Any]], skipped: dict[str, str],
-                  failed: dict[str, str], verdicts: list[dict[str, Any]]) -> None:
-    lm = results.get("lm", {})
-    if lm:
-        ref = lm.get("adamw", {}).get("final_eval_loss")
-        rows = [[n, f"{r['lr']:.3g}", r["final_eval_loss"],
-                 None if not ref else f"{100 * (r['final_eval_loss'] / ref - 1):+.2f}%",
-                 f"{r['tokens_per_s']:.0f}", r["optimizer_step_ms_median"],
-                 mib(r["memory"]["peak_bytes"]), mib(r["memory"]["peak_over_start_bytes"]),
-                 r["state"]["bytes_per_param"]] for n, r in lm.items()]
-        print_table("byte-level LM on stdlib sources (held-out split)",
-                    ["optimizer", "lr", "held-out loss", "vs AdamW", "tokens/s",
-                     "opt.step ms", "peak MiB", "peak over start MiB", "state B/param"], rows)
-    digits = results.get("digits", {})
-    if digits:
-        rows = [[n, f"{r['lr']:.3g}",
-                 f"{100 * r['accuracy_mean']:.2f} ± {100 * r['accuracy_std']:.2f}",
-                 " ".join(f"{100 * x['accuracy']:.2f}" for x in r["runs"]),
-                 r["final_eval_loss_mean"], f"{r['samples_per_s']:.0f}",
-                 mib(r["memory"]["peak_over_start_bytes"]), r["state"]["bytes_per_param"]]
-                for n, r in digits.items()]
-        print_table("digits CNN (held-out split)",
-                    ["optimizer", "lr", "accuracy %", "per seed", "held-out loss",
-                     "samples/s", "peak over start MiB", "state B/param"], rows)
-    mlp = results.get("digits-mlp", {})
-    if mlp:
-        ref = mlp.get("adamw", {}).get("final_eval_loss_mean")
-        rows = [[n, f"{r['lr']:.3g}",
-                 f"{r['final_eval_loss_mean']:.4f} ± {r['final_eval_loss_std']:.4f}",
-                 None if not ref else f"{100 * (r['final_eval_loss_mean'] / ref - 1):+.2f}%",
-                 " ".join(f"{x['final_eval_loss']:.4f}" for x in r["runs"]),
-                 f"{100 * r['accuracy_mean']:.2f} ± {100 * r['accuracy_std']:.2f}",
-                 f"{r['samples_per_s']:.0f}", r["state"]["bytes_per_param"]]
-                for n, r in mlp.items()]
-        print_table("digits MLP (held-out split)",
-                    ["optimizer", "lr", "held-out loss", "vs AdamW", "per seed",
-                     "accuracy %", "samples/s", "state B/param"], rows)
-    for name, reason in {**skipped, **failed}.items():
-        kind = "skipped" if name in skipped else "FAILED"
-        console.print(f"[yellow]{kind}[/yellow] {name}: {escape(reason)}")
-    for v in verdicts:
-        tag = "[green]PASS[/green]" if v["pass"] else "[red]MISS[/red]"
-        detail = (f"held-out loss {100 * v['held_out_loss_vs_adamw']:+.2f}% vs AdamW "
-                  f"(lr {v['lr']:.3g} vs {v['adamw_lr']:.3g})")
-        if v["task"] == "lm":
-            detail += f", state {v['state_vs_adamw']:.3f}x AdamW's"
-        else:
-            detail += f", accuracy {100 * v['accuracy_vs_adamw']:+.2f} points"
-        if v.get("equal_lr_val_loss_vs_adamw") is not None:
-            detail += (f"; at equal LR {v['adamw_lr']:.3g}: validation loss "
-                       f"{100 * v['equal_lr_val_loss_vs_adamw']:+.2f}% vs AdamW")
-        console.print(f"{tag} {v['task']} {v['optimizer']}: {detail} (bar: {v['bar']})")
+    def _report_failure(self, tag: str, out: JobOutcome) -> None:
+        if out.stderr_tail or out.error:
+            console.print(f"[red]{tag} {out.status}[/red]: "
+                          + escape(f"{out.error}\n{out.stderr_tail[-2000:]}"))
 
+    # -- the report ------------------------------------------------------------------------
+    def report(self, complete: bool) -> dict[str, Any]:
+        results = {t: {n: self.results[t][n] for n in self.runnable if n in self.results[t]}
+                   for t in self.tasks}
+        out = {
+            "complete": complete,
+            "preset": self.preset.name,
+            "device": self.device,
+            "tasks": {t: {"config": self.configs[t]} for t in self.tasks},
+            "optimizers": {n: {"summary": registry.get_spec(n).summary,
+                               "lr_scale": registry.get_spec(n).lr_scale}
+                           for n in self.runnable},
+            "skipped": self.skipped,
+            "failed": self.failed,
+            "lr": self.lrs,
+            "lr_source": self.lr_source,
+            "lr_sweep": self.sweeps if self.args.lr_sweep else None,
+            "lm_seeds": {n: list(self.seeds_of("lm", n)) for n in self.runnable}
+            if "lm" in self.tasks else None,
+            "results": results,
+            "verdicts": verdicts(results, self.sweeps, tuned=bool(self.args.lr_sweep)),
+            "wall_s": {"total": time.monotonic() - self.start, "per_process": self.wall},
+            "parallel_jobs": self.args.jobs,
+            "threads_per_job": self.args.threads,
+        }
+        return out
 
-def _print_sweeps(sweeps: dict[str, dict[str, Any]]) -> None:
-    for task, sw in sweeps.items():
-        names = list(dict.fromkeys(p["optimizer"] for p in sw["points"]))
-        score = {(p["optimizer"], p["lr"]): p["score"] for p in sw["points"]}
-        rows = [[n, *[("*" if sw["tuned"][n]["lr"] == lr else "") + fmt(score.get((n, lr)))
-                      for lr in sw["grid"]]] for n in names]
-        length = (f"{sw['steps']} steps" if "steps" in sw else
-                  f"{sw['epochs']} epochs, {len(sw['seeds'])} seed(s)")
-        print_table(f"{task}: LR sweep, {sw['metric']} ({length}; * = tuned)",
-                    ["optimizer", *[f"lr {lr:.3g}" for lr in sw["grid"]]], rows)
+    def write_partial(self) -> None:
+        self.write(self.report(complete=False))
+
+    def write(self, report: dict[str, Any]) -> Path:
+        return write_json(self.args.out / "train.json", "train", report,
+                          seeds=[*self.seeds, self.args.data_seed],
+                          argv=getattr(self.args, "argv", None))
+
+    def run(self) -> dict[str, Any]:
+        """Queue the sweep and the runs that need no sweep, run everything, report."""
+        for job, priority in self.initial_jobs():
+            self.queue.submit(job, priority)
+        self.write_partial()
+        self.queue.run()
+        return self.report(complete=True)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run ``train``; writes ``train.json`` and ``train.png`` under ``args.out``.
+    """Run ``train``; writes ``train.json`` (after every finished run, and complete at the
+    end) and ``train.png`` under ``args.out``.
 
     Returns:
         The report dict (also written as JSON).
@@ -359,7 +501,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         argparse.ArgumentTypeError: invalid options (the CLI prints it as a usage error).
     """
     preset, tasks, names, targets = _check_args(args)
-    lr_overrides = parse_lr_overrides(args.lr)
+    args.lr_overrides = parse_lr_overrides(args.lr)
+    seeds = tuple(args.seeds) if args.seeds else (args.seed,)
+    args.seed = seeds[0]  # the LR sweep's and the digits tasks' initialisation seed
+    seeds_for = set(registry.parse_names(args.seeds_for) if args.seeds_for else names)
     try:
         device = str(resolve_device(args.device))
     except (ValueError, RuntimeError) as exc:
@@ -377,17 +522,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for t in tasks:
         lrs[t], lr_source[t] = {}, {}
         for n in runnable:
-            override = lr_overrides.get((t, n), lr_overrides.get((None, n)))
+            override = args.lr_overrides.get((t, n), args.lr_overrides.get((None, n)))
             lrs[t][n] = override if override is not None else _default_lr(configs[t], n)
             lr_source[t][n] = "--lr" if override is not None else (
                 f"default ({registry.get_spec(n).lr_scale:g} x AdamW's "
                 f"{configs[t]['adamw_lr']:g})")
 
-    results: dict[str, dict[str, Any]] = {t: {} for t in tasks}
-    failed: dict[str, str] = {}
-    sweeps: dict[str, dict[str, Any]] = {t: {} for t in tasks}
-    wall: dict[str, float] = {}
-    start = time.perf_counter()
+    state = _Invocation(args, preset, tasks, runnable, configs, device, targets, skipped,
+                        lrs, lr_source, seeds, seeds_for)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=False)
     scratch = tempfile.TemporaryDirectory(prefix="gefen-bench-train-")
@@ -395,87 +537,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Split once here; every digits worker then loads tensors instead of scikit-learn.
         args.digits_data = save_digits_splits(Path(scratch.name) / "digits.pt")
     with scratch, progress:
-        bars = _Bars(progress)
-        if args.lr_sweep:
-            for t in tasks:
-                # An explicit --lr wins over the sweep.
-                swept = [n for n in runnable
-                         if (t, n) not in lr_overrides and (None, n) not in lr_overrides]
-                if not swept:
-                    continue
-                sw = sweeps[t] = _sweep_task(t, swept, configs[t], args, device, targets,
-                                             bars)
-                sw["tuned"] = {n: choose(sw["points"], n, lrs[t][n]) for n in swept}
-                sw["equal_lr"] = {n: equal_lr(sw["points"], n) for n in swept if n != "adamw"}
-                for n in swept:
-                    if sw["tuned"][n]["chosen"]:
-                        lrs[t][n] = sw["tuned"][n]["lr"]
-                        lr_source[t][n] = "--lr-sweep (shared grid, validation loss)"
-        pairs = [(t, n) for t in tasks for n in runnable]
-
-        def record(k: int, out: JobOutcome) -> None:
-            t, n = pairs[k]
-            wall[f"{t}/{n}"] = out.wall_s
-            if out.status == "ok" and out.result is not None:
-                out.result["lr_source"] = lr_source[t][n]
-                out.result["process_wall_s"] = out.wall_s
-                results[t][n] = out.result
-            else:
-                failed[f"{t}/{n}"] = f"{out.status}: {out.error}"
-                if out.stderr_tail:
-                    console.print(f"[red]{t}/{n} {out.status}[/red]: "
-                                  + escape(f"{out.error}\n{out.stderr_tail[-2000:]}"))
-            # Written after every run, so an interrupted invocation keeps what finished.
-            write_json(args.out / "train.json", "train",
-                       {"complete": False, "preset": preset.name, "device": device,
-                        "lr": lrs, "lr_source": lr_source, "skipped": skipped,
-                        "failed": failed, "results": results},
-                       seeds=[args.seed, args.data_seed], argv=getattr(args, "argv", None))
-
-        run_jobs([_job(t, n, lrs[t][n], configs[t], args, device, targets) for t, n in pairs],
-                 parallel=args.jobs, on_event=bars, timeout_s=args.timeout,
-                 threads=args.threads, on_done=record)
-    # Report in the registry's order whatever order the runs finished in.
-    results = {t: {n: results[t][n] for n in runnable if n in results[t]} for t in tasks}
-    total_wall = time.perf_counter() - start
-    verdicts = _verdicts(results, sweeps, tuned=bool(args.lr_sweep))
+        state.bars = _Bars(progress)
+        report = state.run()
+    results = report["results"]
     if args.lr_sweep:
-        _print_sweeps({t: sw for t, sw in sweeps.items() if sw})
-    _print_tables(results, skipped, failed, verdicts)
-    report = {
-        "complete": True,
-        "preset": preset.name,
-        "device": device,
-        "tasks": {t: {"config": configs[t]} for t in tasks},
-        "optimizers": {n: {"summary": registry.get_spec(n).summary,
-                           "lr_scale": registry.get_spec(n).lr_scale} for n in runnable},
-        "skipped": skipped,
-        "failed": failed,
-        "lr": lrs,
-        "lr_source": lr_source,
-        "lr_sweep": sweeps if args.lr_sweep else None,
-        "results": results,
-        "verdicts": verdicts,
-        "wall_s": {"total": total_wall, "per_process": wall},
-        "parallel_jobs": args.jobs,
-        "threads_per_job": args.threads,
-    }
-    out_dir: Path = args.out
-    json_path = write_json(out_dir / "train.json", "train", report,
-                           seeds=[args.seed, args.data_seed],
-                           argv=getattr(args, "argv", None))
+        print_sweeps({t: sw for t, sw in state.sweeps.items() if sw["points"]})
+    print_tables(results, skipped, state.failed, report["verdicts"])
+    json_path = state.write(report)
     title = f"gefen-bench train --preset {preset.name} · {device}"
-    png_path = plot_train(out_dir / "train.png", results.get("lm", {}),
+    png_path = plot_train(args.out / "train.png", results.get("lm", {}),
                           results.get("digits", {}), title)
     report["paths"] = {"json": str(json_path), "png": str(png_path)}
-    console.print(f"wall time {total_wall:.0f} s")
+    console.print(f"wall time {report['wall_s']['total']:.0f} s")
     console.print(f"JSON: {json_path.resolve()}")
     console.print(f"PNG:  {png_path.resolve()}")
     digits = {t: results[t] for t in DIGITS_TASKS if results.get(t)}
     if digits:
         from .train_digits import plot_digits
 
-        digits_png = plot_digits(out_dir / "digits.png", digits, title)
+        digits_png = plot_digits(args.out / "digits.png", digits, title)
         report["paths"]["digits_png"] = str(digits_png)
         console.print(f"PNG:  {digits_png.resolve()}")
     return report

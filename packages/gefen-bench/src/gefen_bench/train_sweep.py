@@ -7,15 +7,18 @@ the reported run, and scored on the validation split, which is disjoint from the
 the reported runs are scored on. Each optimizer's tuned LR is its best grid point; the same runs
 also give the equal-LR comparison at every grid point.
 
-The sweep of a task runs in one worker process (:func:`run_sweep_job`, job kind ``"sweep"``):
-nothing a sweep run reports depends on having a process of its own (its memory figure is not
-used), and one process per point would spend most of the sweep importing torch. An optimizer
-from a published package (``--target``) imports as ``gefen`` and gets a process of its own.
+Sweep runs are worker jobs of kind ``"sweep"`` (:func:`run_sweep_job`), queued on the same
+job runner as the reported runs (``gefen-bench train``'s ``--jobs``). Nothing a sweep run
+reports depends on having a process of its own (its memory figure is not used): with one job
+at a time, the package's own optimizers share one process per task (torch imported once); with
+more, each (optimizer, LR) point is a job of its own and runs beside the others. An optimizer
+from a published package (``--target``) imports as ``gefen`` and never shares a process.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -51,13 +54,16 @@ def run_sweep_job(job: dict[str, Any], emit: Emit) -> dict[str, Any]:
         sub = {k: v for k, v in job.items() if k not in ("points", "inner")}
         sub.update(kind=job["inner"], optimizer=point["optimizer"], lr=float(point["lr"]),
                    label=f"sweep {job['task']} · {point['optimizer']} · lr {point['lr']:.3g}")
+        start = time.perf_counter()
         try:
             result = fn(sub, emit)
             out.append({**point, "score": score(job["task"], result),
-                        "result": _summary(result)})
+                        "result": _summary(result), "run_s": time.perf_counter() - start})
         except Exception as exc:  # noqa: BLE001 - one diverging point must not stop the rest
             out.append({**point, "score": math.inf, "error": f"{type(exc).__name__}: {exc}",
                         "traceback": traceback.format_exc()[-2000:]})
+        # The parent keeps each point as it ends, so a cut-off sweep keeps what finished.
+        emit({"event": "sweep_point", "task": job["task"], "point": out[-1]})
     return {"points": out}
 
 

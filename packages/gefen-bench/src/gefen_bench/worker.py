@@ -34,7 +34,11 @@ def _job_function(kind: str) -> Callable[[dict[str, Any], Emit], dict[str, Any]]
         from .train_sweep import run_sweep_job
 
         return run_sweep_job
-    raise ValueError(f"unknown job kind {kind!r}; expected lm, digits, arch, step or sweep")
+    if kind == "fit":
+        from .fit import run_fit_probe
+
+        return run_fit_probe
+    raise ValueError(f"unknown job kind {kind!r}; expected lm, digits, arch, step, sweep or fit")
 
 
 def main() -> int:

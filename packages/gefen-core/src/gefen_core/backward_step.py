@@ -128,7 +128,7 @@ class BackwardStep:
         self._deferred = True
         self._seen: set[int] = set()
         self._entries: dict[int, tuple[dict[str, Any], Tensor, str]] = {}
-        self._kept: dict[int, tuple[Tensor, Tensor, int]] = {}
+        self._kept: dict[int, tuple[Tensor, Tensor, int, Tensor]] = {}
         self._snapshot: list[tuple[Any, ...]] = []
         self._handles: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -210,7 +210,12 @@ class BackwardStep:
         entry = self._entries.get(key)
         if (self._deferred or entry is None
                 or "period" not in self._target.state.get(p, {})):
-            self._kept[key] = (p, g, g._version)
+            # Kept for optimizer.step(), with what shows a change before it: the version
+            # counter (in-place ops such as clip_grad_norm_'s) and the norm (GradScaler's
+            # unscale_ writes without bumping the version). Norms on the device, no sync.
+            norm = (torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
+                    if self._deferred else g)  # not compared outside full steps
+            self._kept[key] = (p, g, g._version, norm)
             return
         _check_grad(p, g, entry[2])
         with torch.no_grad():
@@ -239,20 +244,38 @@ class BackwardStep:
                 "old value; change them before backward (a scheduler's step() after "
                 "optimizer.step() is right)")
         if self._deferred:
-            for p, g, version in self._kept.values():
-                if p.grad is not g or g._version != version:
-                    raise RuntimeError(
-                        f"step_in_backward: the gradient of {self._name(p)!r} changed between "
-                        "backward and optimizer.step() (global-norm clipping such as "
-                        "torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, or other "
-                        "gradient processing). In-backward steps update each parameter before "
-                        "such processing could run: use max_grad_norm_per_param= for "
-                        "per-parameter clipping, or normal stepping; nothing was stepped")
+            p = self._changed_gradient()
+            if p is not None:
+                raise RuntimeError(
+                    f"step_in_backward: the gradient of {self._name(p)!r} changed between "
+                    "backward and optimizer.step() (global-norm clipping such as "
+                    "torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, or other gradient "
+                    "processing). In-backward steps update each parameter before such "
+                    "processing could run: use max_grad_norm_per_param= for per-parameter "
+                    "clipping, or normal stepping; nothing was stepped")
+
+    def _changed_gradient(self) -> Tensor | None:
+        """The first kept parameter whose gradient was replaced or changed since its hook, or
+        ``None``: version counters first, then the norms (one host sync; full steps only)."""
+        kept = list(self._kept.values())
+        for p, g, version, _ in kept:
+            if p.grad is not g or g._version != version:
+                return p
+        if not kept:
+            return None
+        device = kept[0][3].device
+        then = torch.stack([norm.to(device) for *_, norm in kept])
+        now = torch.stack([torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+                           .to(device) for p, *_ in kept])
+        same = (then == now) | (then.isnan() & now.isnan())
+        if bool(same.all()):
+            return None
+        return kept[int((~same).nonzero()[0, 0])][0]
 
     def _after_step(self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self._open:
             return
-        for p, _, _ in self._kept.values():
+        for p, *_ in self._kept.values():
             p.grad = None
         self._kept.clear()
         self._seen.clear()

@@ -5,8 +5,9 @@ Public API: :class:`Gefen` (the ``torch.optim.Optimizer``) and :func:`gefen` (th
 step over tensor lists); :class:`GefenMuon` (Muon with Gefen's quantized momentum) and
 :class:`GefenMuonHybrid` (Muon for hidden matrices, Gefen or AdamW for the rest), with
 :func:`split_params_for_muon` / :func:`validate_split` for the routing;
-:func:`step_in_backward` steps Gefen inside the backward pass, releasing each gradient at once. The fused per-tensor
-ops come from ``gefen_kernels``, whose ``KERNEL_API_VERSION`` is checked here at import.
+:func:`step_in_backward` steps Gefen inside the backward pass, releasing each gradient at
+once. The fused per-tensor ops come from ``gefen_kernels``, whose ``KERNEL_API_VERSION`` is
+checked here at import.
 """
 
 from __future__ import annotations

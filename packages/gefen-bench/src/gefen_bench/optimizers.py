@@ -64,6 +64,10 @@ class OptimizerSpec:
         compiled: ``gefen-bench step`` times the step through ``torch.compile`` (default mode)
             after an eager first step, the recipe of docs/compile.md; only that command runs
             it (:func:`availability`).
+        in_backward: the optimizer steps each parameter during ``backward``
+            (:func:`gefen_core.step_in_backward`); the loop still calls ``step()``, which
+            finishes the step, but cannot clip by the global gradient norm (it trains
+            unclipped), and ``gefen-bench step`` (no backward) cannot time it.
     """
 
     name: str
@@ -76,6 +80,7 @@ class OptimizerSpec:
     options: dict[str, object] = field(default_factory=dict)
     graph: bool = False
     compiled: bool = False
+    in_backward: bool = False
 
 
 def split_for_muon(
@@ -131,6 +136,16 @@ def _build_gefen(named: NamedParams, *, lr: float, weight_decay: float, device: 
                  ) -> list[torch.optim.Optimizer]:
     gefen = _gefen_class("Gefen")
     return [gefen(named, lr=lr, weight_decay=weight_decay, **options)]
+
+
+def _build_gefen_in_backward(named: NamedParams, *, lr: float, weight_decay: float,
+                             device: torch.device, model: nn.Module | None = None,
+                             **options: object) -> list[torch.optim.Optimizer]:
+    core = importlib.import_module("gefen_core")
+    opt = core.Gefen(named, lr=lr, weight_decay=weight_decay, **options)
+    # The hooks keep the handle alive; `opt.step()` in the loop completes each step.
+    core.step_in_backward(model if model is not None else [p for _, p in named], opt)
+    return [opt]
 
 
 def _build_adafactor(named: NamedParams, *, lr: float, weight_decay: float,
@@ -205,6 +220,11 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       lambda n, **kw: _build_gefen(n, factored_v_2d=False, **kw),
                       requires="gefen-core", min_bytes_per_param=8.0,
                       options={"factored_v_2d": False}),
+        OptimizerSpec("gefen-in-backward",
+                      "gefen_core.Gefen stepped in backward (step_in_backward), gradients "
+                      "released as each parameter steps", GEFEN_LR_RATIO,
+                      _build_gefen_in_backward, requires="gefen-core with step_in_backward",
+                      min_bytes_per_param=8.0, in_backward=True),
         # Launch-bound sets (GPT-2's 148 tensors) without host launch cost: the steady step is
         # captured once and replayed (torch's CUDA-graph recipe; lr is a float, baked in).
         OptimizerSpec("gefen-graph", "gefen_core.Gefen(capturable=True), step in a CUDA graph",
@@ -363,8 +383,11 @@ def availability(name: str, targets: dict[str, str] | None = None,
             return (f"--target {spec.external}={target} holds version {version}, "
                     f"not {EXTERNAL_PACKAGES[spec.external]}x")
         return None
+    if spec.in_backward and device is not None:
+        return "steps during backward: gefen-bench step (no backward) cannot time it"
     if name.startswith("gefen"):
-        cls = "GefenMuonHybrid" if "hybrid" in name else "Gefen"
+        cls = ("GefenMuonHybrid" if "hybrid" in name
+               else "step_in_backward" if spec.in_backward else "Gefen")
         try:
             module = importlib.import_module("gefen_core")
         except ImportError as exc:

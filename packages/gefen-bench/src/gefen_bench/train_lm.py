@@ -77,6 +77,9 @@ def run_lm_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
                           model=model)
     factor = warmup_cosine(steps, cfg.warmup_frac, cfg.final_lr_frac)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in opts]
+    # An optimizer stepping in backward has updated every parameter before a global norm
+    # exists: it trains unclipped (reported as grad_clip 0).
+    clip = cfg.grad_clip if not registry.get_spec(name).in_backward else 0.0
 
     train_loss: list[float] = []
     eval_curve: list[tuple[int, float]] = []
@@ -90,7 +93,7 @@ def run_lm_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
         t0 = time.perf_counter()
         loss = _loss(model, windows, cfg.autocast_bf16)
         loss.backward()
-        if cfg.grad_clip:
+        if clip:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         synchronize(device)
         t1 = time.perf_counter()
@@ -136,6 +139,7 @@ def run_lm_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
         "memory": memory,
         "state": state,
         "num_params": sum(p.numel() for p in params),
+        "grad_clip": clip,
         "optimizer_classes": [type(o).__module__ + "." + type(o).__name__ for o in opts],
         "external_version": job.get("external_version"),
     }

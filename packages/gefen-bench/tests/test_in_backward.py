@@ -59,3 +59,16 @@ def test_entry_steps_during_backward_and_releases_gradients() -> None:
         opt.step()
         opt.zero_grad()
     assert opt._global_step == 3
+
+
+def test_train_grad_clip_override_reaches_the_lm_config() -> None:
+    import argparse
+
+    from gefen_bench import train
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(["--preset", "tiny", "--grad-clip", "0"])
+    assert train._task_config(PRESETS["tiny"], "lm", args)["grad_clip"] == 0.0
+    args = parser.parse_args(["--preset", "tiny"])
+    assert train._task_config(PRESETS["tiny"], "lm", args)["grad_clip"] == 1.0

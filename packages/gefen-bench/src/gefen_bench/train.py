@@ -112,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the shared LR grid as multiples of each task's AdamW LR "
                              "(default: 0.5,1,2)")
     parser.add_argument("--steps", type=int, default=None, help="override the LM step count")
+    parser.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
+                        help="override the LM global gradient-norm clip (0 = none; optimizers "
+                             "that step in backward never clip globally)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="override the epoch count of both digits tasks")
     parser.add_argument("--seed", type=int, default=0, help="LM model-initialisation seed")
@@ -144,6 +147,8 @@ def _check_args(args: argparse.Namespace) -> tuple[Preset, list[str], list[str],
             if t in absent:
                 raise argparse.ArgumentTypeError(f"--preset {preset.name} has no {t} task")
     tasks = [t for t in tasks if t not in absent]
+    if args.grad_clip is not None and not args.grad_clip >= 0:
+        raise argparse.ArgumentTypeError(f"--grad-clip must be >= 0, got {args.grad_clip}")
     for flag in ("steps", "epochs", "threads", "jobs"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -167,7 +172,7 @@ def _preset_config(preset: Preset, task: str) -> Any:
 
 def _task_config(preset: Preset, task: str, args: argparse.Namespace) -> dict[str, Any]:
     if task == "lm":
-        return as_dict(with_overrides(preset.lm, steps=args.steps))
+        return as_dict(with_overrides(preset.lm, steps=args.steps, grad_clip=args.grad_clip))
     cfg = _preset_config(preset, task)
     assert cfg is not None
     return as_dict(with_overrides(cfg, epochs=args.epochs))

@@ -70,8 +70,9 @@ class TinyLlama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def _batch(step: int, rows: int = 4) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=torch.Generator().manual_seed(step))
+def _batch(step: int, rows: int = 4, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, SEQ + 1),
+                         generator=torch.Generator().manual_seed(step)).to(device)
 
 
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -83,9 +84,10 @@ def _schedule(i: int) -> float:
     return min(1.0, (i + 1) / 4) * (0.5 + 0.5 * math.cos(math.pi * i / 40))
 
 
-def _build(options: dict, *, tie: bool = False, hybrid: bool = False):
+def _build(options: dict, *, tie: bool = False, hybrid: bool = False, device: str = "cpu",
+           dtype: torch.dtype = torch.float32):
     torch.manual_seed(0)
-    model = TinyLlama(tie=tie)
+    model = TinyLlama(tie=tie).to(device=device, dtype=dtype)
     if hybrid:
         opt = GefenMuonHybrid(model, lr=3e-3, weight_decay=0.1, backup_optimizer="gefen",
                               **options)
@@ -112,10 +114,11 @@ def _same(a, b, where: str = "") -> None:
 
 def _train(modes: str, options: dict, *, steps: int = 20, switch_at: int = 10,
            tie: bool = False, hybrid: bool = False, accumulate: int = 1,
-           clip_per_param: float | None = None):
+           clip_per_param: float | None = None, device: str = "cpu",
+           dtype: torch.dtype = torch.float32):
     """``modes``: two letters, the stepping before and after a save/load at ``switch_at``
     (``n`` normal, ``b`` in backward). Returns losses, parameters and the final state_dict."""
-    model, opt, sched = _build(options, tie=tie, hybrid=hybrid)
+    model, opt, sched = _build(options, tie=tie, hybrid=hybrid, device=device, dtype=dtype)
     handle = None
     losses = []
     for i in range(steps):
@@ -129,7 +132,8 @@ def _train(modes: str, options: dict, *, steps: int = 20, switch_at: int = 10,
                         "sched": sched.state_dict()}, buf)
             buf.seek(0)
             saved = torch.load(buf, weights_only=True)
-            model, opt, sched = _build(options, tie=tie, hybrid=hybrid)
+            model, opt, sched = _build(options, tie=tie, hybrid=hybrid, device=device,
+                                       dtype=dtype)
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
             sched.load_state_dict(saved["sched"])
@@ -137,7 +141,7 @@ def _train(modes: str, options: dict, *, steps: int = 20, switch_at: int = 10,
             handle = step_in_backward(model, opt, max_grad_norm_per_param=clip_per_param)
         before = [p.detach().clone() for p in model.parameters()]
         for m in range(accumulate):
-            tokens = _batch(i * accumulate + m)
+            tokens = _batch(i * accumulate + m, device=device)
             loss = _loss(model, tokens) / accumulate
             if handle is not None and m < accumulate - 1:
                 with handle.no_step():

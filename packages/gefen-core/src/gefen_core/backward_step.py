@@ -265,8 +265,9 @@ class BackwardStep:
             return None
         device = kept[0][3].device
         then = torch.stack([norm.to(device) for *_, norm in kept])
-        now = torch.stack([torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
-                           .to(device) for p, *_ in kept])
+        # The same tensors as at the hooks (checked above).
+        now = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
+                           .to(device) for _, g, *_ in kept])
         same = (then == now) | (then.isnan() & now.isnan())
         if bool(same.all()):
             return None
@@ -368,14 +369,14 @@ def _hooked_params(model_or_params: nn.Module | Iterable[Tensor], opt: Gefen) ->
                 "step_in_backward: a DistributedDataParallel model reduces gradients after the "
                 "gradient hook runs, so each rank would step on its local gradient; step "
                 "normally under DDP")
-        params = [p for p in model_or_params.parameters() if id(p) in held]
+        params: list[Tensor] = [p for p in model_or_params.parameters() if id(p) in held]
         if not params:
             raise ValueError("step_in_backward: the optimizer holds none of the module's "
                              "parameters; pass the module the optimizer was built from")
     else:
         if isinstance(model_or_params, Tensor):
             model_or_params = [model_or_params]
-        params = list(model_or_params)
+        params = [p for p in model_or_params]
         seen: set[int] = set()
         for i, p in enumerate(params):
             if not isinstance(p, Tensor):

@@ -782,6 +782,7 @@ class Gefen(Optimizer):
         each parameter's period exist and that no group is ``capturable``."""
         per_group: dict[int, tuple[dict[str, Any], list[tuple[Tensor, Tensor, str]]]] = {}
         for group, p, name in entries:
+            assert p.grad is not None
             per_group.setdefault(id(group), (group, []))[1].append((p, p.grad, name))
         for group, items in per_group.values():
             beta1, beta2 = self._host_betas(group)

@@ -85,23 +85,10 @@ def test_adamw_fp32_state_matches_torch_adamw_in_float32() -> None:
         registry.AdamWFP32State([bf], betas=(0.9, 1.0))
 
 
-def test_steps_in_backward_entries_skip_the_separate_step(monkeypatch) -> None:
-    calls: list[str] = []
-
-    class Counting:
-        def step(self) -> None:
-            calls.append("step")
-
-    spec = registry.get_spec("gefen")
-    registry.step("gefen", [Counting()])
-    assert calls == ["step"]
-    monkeypatch.setitem(registry.REGISTRY, "gefen-in-backward-test",
-                        registry.OptimizerSpec("gefen-in-backward-test", "test", 1.0,
-                                               spec.build, steps_in_backward=True))
-    registry.step("gefen-in-backward-test", [Counting()])
-    assert calls == ["step"]
-    assert "backward" in (registry.availability("gefen-in-backward-test", plain_step=True)
-                          or "")
+def test_steps_in_backward_entries_are_refused_by_plain_step_commands() -> None:
+    assert registry.get_spec("gefen-in-backward").steps_in_backward
+    assert "backward" in (registry.availability("gefen-in-backward", plain_step=True) or "")
+    assert registry.availability("gefen", plain_step=True) is None
 
 
 def test_fit_cli_on_an_accounted_cpu_budget(tmp_path: Path, capsys) -> None:

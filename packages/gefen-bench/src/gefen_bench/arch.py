@@ -90,7 +90,8 @@ def run_arch_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]) ->
     for i in range(int(job["steps"])):
         loss = model(**batch).loss
         loss.backward()
-        registry.step(job["optimizer"], opts)
+        for o in opts:
+            o.step()
         for o in opts:
             o.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -41,7 +41,7 @@ from . import optimizers as registry
 from .jobs import run_job
 from .report import console, markdown_table, print_table, write_json
 
-DEFAULT_OPTIMIZERS = "adamw,adamw-fp32-state,gefen"
+DEFAULT_OPTIMIZERS = "adamw,adamw-fp32-state,gefen,gefen-in-backward"
 # The references every other optimizer's largest model is divided by.
 REFERENCES = {"adamw": "AdamW, bf16 state", "adamw-fp32-state": "AdamW, fp32 state"}
 LLAMA3_VOCAB = 128_256
@@ -190,7 +190,8 @@ def run_fit_probe(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
             loss.backward()
             grads = sum(p.grad.numel() * p.grad.element_size() for p in params
                         if p.grad is not None)
-            registry.step(name, opts)
+            for o in opts:
+                o.step()
             for o in opts:
                 o.zero_grad(set_to_none=True)
             emit({"event": "progress", "label": f"fit {name} · size {cfg['size']}",

@@ -65,10 +65,11 @@ class OptimizerSpec:
             after an eager first step, the recipe of docs/compile.md; only that command runs
             it (:func:`availability`).
         steps_in_backward: the optimizers ``build`` returns update each parameter during
-            ``loss.backward()`` (from gradient hooks the builder registers) and free its
-            gradient there, so the trainers call no separate ``opt.step()``
-            (:func:`step`), clip no gradients, and ``gefen-bench fit`` counts no full set of
-            gradients. The builder receives the model (``model=``) to register its hooks on.
+            ``loss.backward()`` (:func:`gefen_core.step_in_backward`, from gradient hooks the
+            builder registers on the model, ``model=``) and free its gradient there. The
+            trainers still call ``opt.step()`` (:func:`step`), which finishes the step, but
+            clip no gradients by their global norm (none exists before the first update), and
+            ``gefen-bench fit`` counts only the gradients still alive after backward.
             ``gefen-bench step`` and ``memory``, which step without a backward pass, skip
             such an entry (:func:`availability`).
     """
@@ -199,6 +200,16 @@ def _build_gefen(named: NamedParams, *, lr: float, weight_decay: float, device: 
     return [gefen(named, lr=lr, weight_decay=weight_decay, **options)]
 
 
+def _build_gefen_in_backward(named: NamedParams, *, lr: float, weight_decay: float,
+                             device: torch.device, model: nn.Module | None = None,
+                             **options: object) -> list[torch.optim.Optimizer]:
+    core = importlib.import_module("gefen_core")
+    opt = core.Gefen(named, lr=lr, weight_decay=weight_decay, **options)
+    # The hooks keep the handle alive; `opt.step()` in the loop completes each step.
+    core.step_in_backward(model if model is not None else [p for _, p in named], opt)
+    return [opt]
+
+
 def _build_adafactor(named: NamedParams, *, lr: float, weight_decay: float,
                      device: torch.device, model: nn.Module | None = None,
                      ) -> list[torch.optim.Optimizer]:
@@ -276,6 +287,11 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       lambda n, **kw: _build_gefen(n, factored_v_2d=False, **kw),
                       requires="gefen-core", min_bytes_per_param=8.0,
                       options={"factored_v_2d": False}),
+        OptimizerSpec("gefen-in-backward",
+                      "gefen_core.Gefen stepped in backward (step_in_backward), gradients "
+                      "released as each parameter steps", GEFEN_LR_RATIO,
+                      _build_gefen_in_backward, requires="gefen-core with step_in_backward",
+                      min_bytes_per_param=8.0, steps_in_backward=True),
         # Launch-bound sets (GPT-2's 148 tensors) without host launch cost: the steady step is
         # captured once and replayed (torch's CUDA-graph recipe; lr is a float, baked in).
         OptimizerSpec("gefen-graph", "gefen_core.Gefen(capturable=True), step in a CUDA graph",
@@ -352,11 +368,6 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       lambda n, **kw: _build_external(n, factored_v_2d=False, **kw),
                       requires="--target gefen-x=DIR", external="gefen-x",
                       min_bytes_per_param=8.0, options={"factored_v_2d": False}),
-        # Hook for an entry that steps inside the backward pass (e.g. "gefen-in-backward":
-        # a builder that calls gefen_core.step_in_backward(model or named, lr=...,
-        # weight_decay=...) and returns its optimizers): declare it with
-        # steps_in_backward=True, and `train` and `fit` drive it through step() and
-        # availability() with no other change.
         OptimizerSpec("gefen-1.2", "published gefen 1.2.3 Gefen (own process)",
                       GEFEN_LR_RATIO,
                       _build_external, requires="--target gefen=DIR", external="gefen",
@@ -445,7 +456,8 @@ def availability(name: str, targets: dict[str, str] | None = None,
                     f"not {EXTERNAL_PACKAGES[spec.external]}x")
         return None
     if name.startswith("gefen"):
-        cls = "GefenMuonHybrid" if "hybrid" in name else "Gefen"
+        cls = ("GefenMuonHybrid" if "hybrid" in name
+               else "step_in_backward" if spec.steps_in_backward else "Gefen")
         try:
             module = importlib.import_module("gefen_core")
         except ImportError as exc:
@@ -485,15 +497,6 @@ def load_external_gefen(target: str) -> str:
     spec.loader.exec_module(module)
     return external_version(target) or "unknown"
 
-
-def step(name: str, opts: Sequence[torch.optim.Optimizer]) -> None:
-    """The optimizer step of one training step, after ``loss.backward()``: every optimizer
-    of ``opts`` steps, unless entry ``name`` steps inside the backward pass
-    (``steps_in_backward``), where the update has already happened."""
-    if get_spec(name).steps_in_backward:
-        return
-    for o in opts:
-        o.step()
 
 
 def build(name: str, named: NamedParams, *, lr: float, weight_decay: float,

@@ -141,6 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-steps", type=int, default=None,
                         help="override the steps of each LM LR-sweep run (the preset's "
                              "sweep_steps; at most --steps)")
+    parser.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
+                        help="override the LM global gradient-norm clip (0 = none; optimizers "
+                             "that step in backward never clip globally)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="override the epoch count of both digits tasks")
     parser.add_argument("--seed", type=int, default=0, help="LM model-initialisation seed")
@@ -182,6 +185,8 @@ def _check_args(args: argparse.Namespace) -> tuple[Preset, list[str], list[str],
             if t in absent:
                 raise argparse.ArgumentTypeError(f"--preset {preset.name} has no {t} task")
     tasks = [t for t in tasks if t not in absent]
+    if args.grad_clip is not None and not args.grad_clip >= 0:
+        raise argparse.ArgumentTypeError(f"--grad-clip must be >= 0, got {args.grad_clip}")
     for flag in ("steps", "sweep_steps", "epochs", "threads", "jobs"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -207,7 +212,8 @@ def _preset_config(preset: Preset, task: str) -> Any:
 def _task_config(preset: Preset, task: str, args: argparse.Namespace) -> dict[str, Any]:
     if task == "lm":
         return as_dict(with_overrides(preset.lm, steps=args.steps,
-                                      sweep_steps=getattr(args, "sweep_steps", None)))
+                                      sweep_steps=getattr(args, "sweep_steps", None),
+                                      grad_clip=getattr(args, "grad_clip", None)))
     cfg = _preset_config(preset, task)
     assert cfg is not None
     return as_dict(with_overrides(cfg, epochs=args.epochs))

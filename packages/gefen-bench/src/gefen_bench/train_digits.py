@@ -125,7 +125,8 @@ def run_digits_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
                 idx = order[b * cfg.batch:(b + 1) * cfg.batch]
                 loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
                 loss.backward()
-                registry.step(name, opts)
+                for o in opts:
+                    o.step()
                 for o in opts:
                     o.zero_grad(set_to_none=True)
                 for s in scheds:

@@ -75,11 +75,11 @@ def run_lm_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
     meter.start()
     opts = registry.build(name, named, lr=lr, weight_decay=cfg.weight_decay, device=device,
                           model=model)
-    # An entry that steps inside backward (registry steps_in_backward) has updated each
-    # parameter before the whole gradient exists: no clipping, no separate opt.step().
-    in_backward = registry.get_spec(name).steps_in_backward
     factor = warmup_cosine(steps, cfg.warmup_frac, cfg.final_lr_frac)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in opts]
+    # An optimizer stepping in backward has updated every parameter before a global norm
+    # exists: it trains unclipped (reported as grad_clip 0).
+    clip = cfg.grad_clip if not registry.get_spec(name).steps_in_backward else 0.0
 
     train_loss: list[float] = []
     eval_curve: list[tuple[int, float]] = []
@@ -93,11 +93,12 @@ def run_lm_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
         t0 = time.perf_counter()
         loss = _loss(model, windows, cfg.autocast_bf16)
         loss.backward()
-        if cfg.grad_clip and not in_backward:
+        if clip:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         synchronize(device)
         t1 = time.perf_counter()
-        registry.step(name, opts)
+        for o in opts:
+            o.step()
         synchronize(device)
         t2 = time.perf_counter()
         for o in opts:
@@ -135,10 +136,10 @@ def run_lm_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
         "tokens_per_s": tokens * len(steady) / sum(steady),
         "first_step_ms": step_s[0] * 1e3,
         "optimizer_step_ms_median": sorted(opt_step_s)[len(opt_step_s) // 2] * 1e3,
-        "grad_clip": None if in_backward else cfg.grad_clip,
         "memory": memory,
         "state": state,
         "num_params": sum(p.numel() for p in params),
+        "grad_clip": clip,
         "optimizer_classes": [type(o).__module__ + "." + type(o).__name__ for o in opts],
         "external_version": job.get("external_version"),
     }

@@ -4,8 +4,10 @@ byte of optimizer state per parameter.
 Public API: :class:`Gefen` (the ``torch.optim.Optimizer``) and :func:`gefen` (the functional
 step over tensor lists); :class:`GefenMuon` (Muon with Gefen's quantized momentum) and
 :class:`GefenMuonHybrid` (Muon for hidden matrices, Gefen or AdamW for the rest), with
-:func:`split_params_for_muon` / :func:`validate_split` for the routing. The fused per-tensor
-ops come from ``gefen_kernels``, whose ``KERNEL_API_VERSION`` is checked here at import.
+:func:`split_params_for_muon` / :func:`validate_split` for the routing;
+:func:`step_in_backward` steps Gefen inside the backward pass, releasing each gradient at
+once. The fused per-tensor ops come from ``gefen_kernels``, whose ``KERNEL_API_VERSION`` is
+checked here at import.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _check_kernel_api() -> None:
 
 _check_kernel_api()
 
+from .backward_step import BackwardStep, step_in_backward  # noqa: E402
 from .functional import gefen  # noqa: E402
 from .hybrid import GefenMuonHybrid  # noqa: E402
 from .muon import GefenMuon  # noqa: E402
@@ -40,11 +43,13 @@ from .routing import split_params_for_muon, validate_split  # noqa: E402
 
 __all__ = [
     "KERNEL_API_RANGE",
+    "BackwardStep",
     "Gefen",
     "GefenMuon",
     "GefenMuonHybrid",
     "__version__",
     "gefen",
     "split_params_for_muon",
+    "step_in_backward",
     "validate_split",
 ]

@@ -761,6 +761,33 @@ class Gefen(Optimizer):
         _compiled_step.prepare(self)
         return loss
 
+    # ---------------------------------------------- step of a subset (gefen_core.backward_step)
+    def _step_params(self, entries: Sequence[tuple[dict[str, Any], Tensor, str]]) -> None:
+        """Step ``(group, param, name)`` entries now, as :meth:`step` would step them with the
+        current step count ``T``: the one entry point of :mod:`gefen_core.backward_step`, which
+        calls it from each parameter's gradient hook (docs/algorithm.md#step-in-backward).
+        Nothing optimizer-wide moves (``T`` advances in the next :meth:`step`, which steps what
+        is left); the caller has validated each ``param.grad`` and knows that the codebook and
+        each parameter's period exist and that no group is ``capturable``."""
+        per_group: dict[int, tuple[dict[str, Any], list[tuple[Tensor, Tensor, str]]]] = {}
+        for group, p, name in entries:
+            assert p.grad is not None
+            per_group.setdefault(id(group), (group, []))[1].append((p, p.grad, name))
+        for group, items in per_group.values():
+            beta1, beta2 = self._host_betas(group)
+            lr = self._host_lr(group["lr"])
+            for path, lists in self._init_group(group, items, {}).items():
+                for dev_lists in _dispatch.split_by_device(lists):
+                    _gefen_functional(
+                        dev_lists["params"], dev_lists["grads"], dev_lists["codes"],
+                        dev_lists["scales"], dev_lists["sqs"], dev_lists["rows"],
+                        dev_lists["cols"], dev_lists["steps"], dev_lists["sq_steps"],
+                        codebook=dev_lists["codebooks"][0], lr=lr, beta1=beta1, beta2=beta2,
+                        eps=group["eps"], weight_decay=group["weight_decay"],
+                        maximize=group["maximize"], stochastic_round=group["stochastic_round"],
+                        seeds=dev_lists["seeds"], foreach=path == "foreach",
+                        fused=path == "fused", capturable=False, differentiable=False)
+
     def _has_tensor_betas(self) -> bool:
         return any(isinstance(g["betas"][0], Tensor) for g in self.param_groups)
 

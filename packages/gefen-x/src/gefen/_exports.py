@@ -28,6 +28,8 @@ EXPORTS: Final[dict[str, tuple[str, str | None]]] = {
     "GefenMuonHybrid": ("gefen_core", None),
     "split_params_for_muon": ("gefen_core", None),
     "validate_split": ("gefen_core", None),
+    "step_in_backward": ("gefen_core", None),
+    "BackwardStep": ("gefen_core", None),
     # gefen-dist: engines and distributed checkpoints.
     "ShardedGefen": ("gefen_dist", "dist"),
     "ShardedGefenMuon": ("gefen_dist", "dist"),

@@ -1,0 +1,447 @@
+"""Gefen stepped in the backward pass (gefen_core.step_in_backward,
+docs/algorithm.md#step-in-backward): bit-identical to normal stepping on a small Llama, checkpoints
+that cross between the two modes, and the combinations that are refused."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gefen_core import Gefen, GefenMuonHybrid, step_in_backward
+
+VOCAB, DIM, HEADS, HIDDEN, SEQ = 64, 32, 4, 64, 12
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn_norm = _RMSNorm(DIM)
+        self.q_proj = nn.Linear(DIM, DIM, bias=False)
+        self.k_proj = nn.Linear(DIM, DIM, bias=False)
+        self.v_proj = nn.Linear(DIM, DIM, bias=False)
+        self.o_proj = nn.Linear(DIM, DIM, bias=False)
+        self.mlp_norm = _RMSNorm(DIM)
+        self.gate_proj = nn.Linear(DIM, HIDDEN, bias=False)
+        self.up_proj = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down_proj = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (proj(h).view(b, t, HEADS, DIM // HEADS).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, DIM))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class TinyLlama(nn.Module):
+    """Llama's layout (RMSNorm, causal attention, SwiGLU MLP) at toy size, optionally with the
+    LM head tied to the embedding."""
+
+    def __init__(self, layers: int = 2, tie: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(_Block() for _ in range(layers))
+        self.norm = _RMSNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def _batch(step: int, rows: int = 4, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, SEQ + 1),
+                         generator=torch.Generator().manual_seed(step)).to(device)
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _schedule(i: int) -> float:
+    return min(1.0, (i + 1) / 4) * (0.5 + 0.5 * math.cos(math.pi * i / 40))
+
+
+def _build(options: dict, *, tie: bool = False, hybrid: bool = False, device: str = "cpu",
+           dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    model = TinyLlama(tie=tie).to(device=device, dtype=dtype)
+    if hybrid:
+        opt = GefenMuonHybrid(model, lr=3e-3, weight_decay=0.1, backup_optimizer="gefen",
+                              **options)
+    else:
+        opt = Gefen(model.named_parameters(), lr=3e-3, weight_decay=0.1, **options)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    return model, opt, sched
+
+
+def _same(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _train(modes: str, options: dict, *, steps: int = 20, switch_at: int = 10,
+           tie: bool = False, hybrid: bool = False, accumulate: int = 1,
+           clip_per_param: float | None = None, device: str = "cpu",
+           dtype: torch.dtype = torch.float32):
+    """``modes``: two letters, the stepping before and after a save/load at ``switch_at``
+    (``n`` normal, ``b`` in backward). Returns losses, parameters and the final state_dict."""
+    model, opt, sched = _build(options, tie=tie, hybrid=hybrid, device=device, dtype=dtype)
+    handle = None
+    losses = []
+    for i in range(steps):
+        mode = modes[0] if i < switch_at else modes[1]
+        if i == switch_at:
+            if handle is not None:
+                handle.remove()
+                handle = None
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=True)
+            model, opt, sched = _build(options, tie=tie, hybrid=hybrid, device=device,
+                                       dtype=dtype)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            sched.load_state_dict(saved["sched"])
+        if mode == "b" and handle is None:
+            handle = step_in_backward(model, opt, max_grad_norm_per_param=clip_per_param)
+        before = [p.detach().clone() for p in model.parameters()]
+        for m in range(accumulate):
+            tokens = _batch(i * accumulate + m, device=device)
+            loss = _loss(model, tokens) / accumulate
+            if handle is not None and m < accumulate - 1:
+                with handle.no_step():
+                    loss.backward()
+            else:
+                loss.backward()
+        every = options.get("codebook_refresh_every", 0)
+        full = i in (0, switch_at) or (every and i % every == 0)  # full steps keep gradients
+        if mode == "b" and handle is not None and not full:
+            # Stepped in backward: every hooked gradient released, every parameter moved
+            # before optimizer.step().
+            backup = {id(p) for p in handle.params}
+            for p, b in zip(model.parameters(), before):
+                if id(p) in backup:
+                    assert p.grad is None
+                    assert not torch.equal(p.detach(), b)
+        if mode == "n" and clip_per_param is not None:
+            for p in model.parameters():
+                torch.nn.utils.clip_grad_norm_(p, clip_per_param, foreach=False)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    params = [p.detach().clone() for p in model.parameters()]
+    return losses, params, opt.state_dict()
+
+
+OPTIONS = {
+    "block-nearest": dict(factored_v_2d=False),
+    "factored-nearest": dict(factored_v_2d=True, min_dim_size_to_factor=8),
+    "block-stochastic": dict(factored_v_2d=False, stochastic_round=True),
+    "factored-stochastic": dict(factored_v_2d=True, min_dim_size_to_factor=8,
+                                stochastic_round=True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIONS))
+def test_in_backward_is_bit_identical_to_normal_stepping_across_checkpoints(kind: str) -> None:
+    options = OPTIONS[kind]
+    reference = _train("nn", options)
+    for modes in ("bb", "nb", "bn"):
+        got = _train(modes, options)
+        _same(got[0], reference[0], f"{modes} losses")
+        _same(got[1], reference[1], f"{modes} params")
+        _same(got[2], reference[2], f"{modes} state_dict")
+    # Enough happened for the comparison to mean something: the loss fell, and the state
+    # covers both second-moment modes asked for.
+    assert reference[0][-1] < reference[0][0]
+    keys = {k for st in reference[2]["state"].values() for k in st}
+    assert ("exp_avg_sq_row" in keys) == options["factored_v_2d"]
+
+
+def test_tied_embedding_steps_once_per_backward() -> None:
+    options = OPTIONS["factored-stochastic"]
+    reference = _train("nn", options, steps=8, switch_at=4, tie=True)
+    got = _train("bb", options, steps=8, switch_at=4, tie=True)
+    _same(got, reference)
+    assert int(got[2]["state"][0]["step"]) == 8  # the tied tensor: one step per backward
+
+
+def test_accumulation_with_no_step_matches_normal_accumulation() -> None:
+    options = OPTIONS["factored-nearest"]
+    reference = _train("nn", options, steps=6, switch_at=3, accumulate=3)
+    _same(_train("bb", options, steps=6, switch_at=3, accumulate=3), reference)
+
+
+def test_per_parameter_clipping_matches_clipping_each_gradient() -> None:
+    options = OPTIONS["block-nearest"]
+    reference = _train("nn", options, steps=6, switch_at=3, clip_per_param=0.05)
+    _same(_train("bb", options, steps=6, switch_at=3, clip_per_param=0.05), reference)
+    unclipped = _train("nn", options, steps=6, switch_at=3)
+    assert not torch.equal(unclipped[1][0], reference[1][0])  # the clip did bite
+
+
+def test_codebook_refresh_steps_take_the_full_step() -> None:
+    options = dict(OPTIONS["block-nearest"], codebook_refresh_every=3)
+    reference = _train("nn", options, steps=8, switch_at=4)
+    _same(_train("bb", options, steps=8, switch_at=4), reference)
+
+
+def test_hybrid_gefen_backup_steps_in_backward() -> None:
+    options = dict(stochastic_round=True)
+    reference = _train("nn", options, steps=6, switch_at=3, hybrid=True)
+    _same(_train("bb", options, steps=6, switch_at=3, hybrid=True), reference)
+    model, opt, _ = _build(options, hybrid=True)
+    handle = step_in_backward(model, opt)
+    backup = {id(p) for p in handle.params}
+    assert backup == {id(p) for g in opt.backup.param_groups for p in g["params"]}
+    for i in range(2):
+        _loss(model, _batch(i)).backward()
+        if i == 1:  # the Muon half keeps its gradients for optimizer.step()
+            assert all((p.grad is None) == (id(p) in backup) for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_parameter_outside_the_hooks_steps_in_optimizer_step() -> None:
+    options = OPTIONS["block-nearest"]
+    model, opt, _ = _build(options)
+    twin, twin_opt, _ = _build(options)
+    step_in_backward([model.lm_head.weight, model.norm.weight], opt)
+    for i in range(4):
+        for m, o in ((model, opt), (twin, twin_opt)):
+            _loss(m, _batch(i)).backward()
+            o.step()
+            o.zero_grad()
+    _same([p.detach() for p in model.parameters()], [p.detach() for p in twin.parameters()])
+    _same(opt.state_dict(), twin_opt.state_dict())
+
+
+def test_scheduler_does_not_warn_and_remove_restores_normal_stepping() -> None:
+    import warnings
+
+    model, opt, sched = _build(OPTIONS["block-nearest"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with step_in_backward(model, opt) as handle:
+            for i in range(3):
+                _loss(model, _batch(i)).backward()
+                opt.step()
+                sched.step()
+    assert not handle._handles
+    _loss(model, _batch(3)).backward()
+    assert all(p.grad is not None for p in model.parameters())  # no hook any more
+    step_in_backward(model, opt).remove()  # and a new handle may be made
+
+
+# ---------------------------------------------------------------------- refusals
+def _started(options: dict | None = None):
+    model, opt, _ = _build(options or OPTIONS["block-nearest"])
+    return model, opt
+
+
+def _frozen(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_global_norm_clipping_is_refused_before_any_parameter_steps() -> None:
+    model, opt = _started()
+    step_in_backward(model, opt)
+    before = _frozen(model)
+    _loss(model, _batch(0)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="changed between backward and optimizer.step.*"
+                                           "max_grad_norm_per_param"):
+        opt.step()
+    _same(_frozen(model), before)
+    assert opt._codebook is None and not opt.state
+
+
+def test_grad_scaler_is_refused_before_any_parameter_steps() -> None:
+    model, opt = _started()
+    step_in_backward(model, opt)
+    before = _frozen(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    scaler.scale(_loss(model, _batch(0))).backward()
+    with pytest.raises(RuntimeError, match="changed between backward and optimizer.step"):
+        scaler.step(opt)
+    _same(_frozen(model), before)
+
+
+def test_fp16_parameters_and_fp16_autocast_are_refused() -> None:
+    model = TinyLlama().half()
+    opt = Gefen(model.named_parameters())
+    with pytest.raises(ValueError, match="fp16.*GradScaler"):
+        step_in_backward(model, opt)
+    model, opt = _started()
+    step_in_backward(model, opt)
+    with torch.autocast("cpu", dtype=torch.float16), \
+            pytest.raises(RuntimeError, match="fp16 autocast"):
+        _loss(model, _batch(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _loss(model, _batch(0))  # bf16 autocast is fine
+
+
+def test_accumulation_without_no_step_is_refused() -> None:
+    # With the module: at the second forward, on the handle's first (full) step.
+    model, opt = _started()
+    step_in_backward(model, opt)
+    before = _frozen(model)
+    _loss(model, _batch(0)).backward()
+    with pytest.raises(RuntimeError, match="no_step"):
+        _loss(model, _batch(1))
+    _same(_frozen(model), before)
+    # With parameters only: at the first hook of the second backward.
+    model, opt = _started()
+    step_in_backward(model.parameters(), opt)
+    before = _frozen(model)
+    _loss(model, _batch(0)).backward()
+    with pytest.raises(RuntimeError, match="second gradient.*no_step"):
+        _loss(model, _batch(1)).backward()
+    _same(_frozen(model), before)
+
+
+def test_a_gradient_accumulated_twice_in_one_backward_is_refused() -> None:
+    # A tied weight used inside two reentrant checkpoints gets two accumulations.
+    from torch.utils.checkpoint import checkpoint
+
+    w = nn.Parameter(torch.randn(8, 8))
+    opt = Gefen([("w", w)])
+    step_in_backward([w], opt)
+    x = torch.randn(2, 8, requires_grad=True)
+    y = checkpoint(lambda t: t @ w, x, use_reentrant=True)
+    z = checkpoint(lambda t: t @ w, y, use_reentrant=True)
+    with pytest.raises(RuntimeError, match="second gradient.*use_reentrant=False"):
+        z.sum().backward()
+    assert opt._codebook is None  # the first step is a full step: nothing stepped yet
+
+
+def test_hyperparameter_change_between_backward_and_step_is_refused() -> None:
+    model, opt = _started()
+    step_in_backward(model, opt)
+    _loss(model, _batch(0)).backward()
+    opt.param_groups[0]["lr"] = 1e-4
+    with pytest.raises(RuntimeError, match="hyperparameter"):
+        opt.step()
+
+
+def test_closure_is_refused() -> None:
+    model, opt = _started()
+    step_in_backward(model, opt)
+
+    def closure() -> torch.Tensor:
+        loss = _loss(model, _batch(0))
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(closure)
+
+
+def test_options_and_optimizers_that_cannot_step_in_backward_are_refused() -> None:
+    model = TinyLlama()
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match="skip_nonfinite"):
+        step_in_backward(model, Gefen(named, skip_nonfinite=True))
+    with pytest.raises(ValueError, match="capturable"):
+        step_in_backward(model, Gefen(named, capturable=True))
+    with pytest.raises(TypeError, match="Gefen or a GefenMuonHybrid"):
+        step_in_backward(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError, match="backup_optimizer='gefen'"):
+        step_in_backward(model, GefenMuonHybrid(model, lr=1e-3, backup_optimizer="adamw"))
+    from gefen_core import GefenMuon
+
+    hidden = [(n, p) for n, p in named if p.ndim == 2 and "embed" not in n and "head" not in n]
+    with pytest.raises(TypeError, match="GefenMuon cannot"):
+        step_in_backward(model, GefenMuon(hidden))
+    opt = Gefen(named[:3])
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        step_in_backward([p for _, p in named[:4]], opt)
+    with pytest.raises(ValueError, match="max_grad_norm_per_param"):
+        step_in_backward(model, opt, max_grad_norm_per_param=0.0)
+    handle = step_in_backward(model, opt)
+    with pytest.raises(ValueError, match="already steps in backward"):
+        step_in_backward(model, opt)
+    handle.remove()
+
+
+def test_data_parallel_and_dtensor_parameters_are_refused(monkeypatch) -> None:  # noqa: ANN001
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = TinyLlama()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        with pytest.raises(ValueError, match="DistributedDataParallel"):
+            step_in_backward(ddp, Gefen(ddp.named_parameters()))
+        mesh = init_device_mesh("cpu", (1,))
+        replicated = nn.Parameter(distribute_tensor(torch.randn(8), mesh, [Replicate()]))
+        with pytest.raises(ValueError, match="DTensor"):
+            step_in_backward([replicated], Gefen([("r", replicated)]))
+        monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+        with pytest.raises(ValueError, match="2 ranks"):
+            step_in_backward(model, Gefen(model.named_parameters()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_optimizer_is_refused() -> None:
+    pytest.importorskip("gefen_dist")
+    from gefen_dist import ShardedGefen
+
+    model = TinyLlama()
+    with pytest.raises(ValueError, match="reduces statistics over ranks"):
+        step_in_backward(model, ShardedGefen(model.named_parameters()))
+
+
+def test_compiled_autograd_is_refused(monkeypatch) -> None:  # noqa: ANN001
+    model, opt = _started()
+    step_in_backward(model, opt)
+    _loss(model, _batch(0)).backward()
+    opt.step()
+    opt.zero_grad()
+    before = _frozen(model)
+    # What the hooks see when compiled autograd traces them.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    loss = _loss(model, _batch(1))
+    with pytest.raises(RuntimeError, match="compiled autograd"):
+        loss.backward()
+    monkeypatch.undo()
+    _same(_frozen(model), before)

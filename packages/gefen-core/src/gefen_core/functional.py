@@ -228,7 +228,7 @@ def _run(
 ) -> None:
     if not params:
         return
-    op_block, op_factored = _ops(kind)
+    op_block, op_factored = _ops(_cpu_default(kind, params))
     if batched:
         torch._foreach_add_(list(state_steps), 1)
         torch._foreach_add_(list(exp_avg_sq_steps), 1)
@@ -260,6 +260,18 @@ def _run(
             seed_tensor=None if seed_tensors is None or not capturable else seed_tensors[i],
             stats=None if factored_stats is None else factored_stats[i],
         )
+
+
+# ---- Default CPU dispatch --------------------------------------------------------------------
+def _cpu_default(kind: str, params: Sequence[Tensor]) -> str:
+    """The ops the reference paths call: on CPU (eager) the public ops, whose CPU kernel is the
+    native CPU step of ``gefen_kernels`` (the reference's bits, docs/decisions.md "The CPU
+    step"); elsewhere, and under ``torch.compile``, the reference ops themselves."""
+    if kind == "reference" and params[0].device.type == "cpu" \
+            and not torch.compiler.is_compiling():
+        return "fused"
+    return kind
+# ---- End of the default CPU dispatch -----------------------------------------------------------
 
 
 def _single_tensor_gefen(*args: Any, **kwargs: Any) -> None:

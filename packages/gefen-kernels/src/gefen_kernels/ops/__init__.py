@@ -31,6 +31,9 @@ from .quantize import (
     sr_uniform_reference,
 )
 
+# After the op modules: registers the CPU kernels of their custom ops (the native CPU step).
+from . import _cpu_step  # noqa: E402,F401  isort: skip
+
 __all__ = [
     "block_step",
     "block_step_reference",

@@ -192,6 +192,9 @@ REGISTRY: dict[str, OptimizerSpec] = {
     for spec in [
         OptimizerSpec("adamw", "torch.optim.AdamW (fused where torch has it, else foreach)",
                       1.0, _build_adamw, min_bytes_per_param=14.0),
+        OptimizerSpec("adamw-default", "torch.optim.AdamW with torch's default implementation",
+                      1.0, lambda n, **kw: _build_adamw(n, impl={}, **kw),
+                      min_bytes_per_param=14.0),
         OptimizerSpec("adamw-fused", "torch.optim.AdamW(fused=True)", 1.0,
                       lambda n, **kw: _build_adamw(n, impl={"fused": True}, **kw),
                       min_bytes_per_param=14.0, options={"fused": True}),

@@ -14,6 +14,7 @@ import itertools
 
 import pytest
 import torch
+from kernels_inputs import make_codebook, with_zero_gradients
 
 from gefen_kernels import _numerics
 from gefen_kernels.ops import (
@@ -26,8 +27,6 @@ from gefen_kernels.ops import (
     muon_momentum_reference,
 )
 from gefen_kernels.ops import _cpu_step as cpu
-
-from kernels_inputs import make_codebook, with_zero_gradients
 
 pytestmark = pytest.mark.skipif(not cpu.native_available(),
                                 reason=f"native CPU step unavailable: {_cpu_native.status()}")

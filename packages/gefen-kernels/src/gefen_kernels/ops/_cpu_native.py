@@ -114,7 +114,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def library() -> ctypes.CDLL | None:
     """The loaded native library, or ``None`` (then :func:`status` says why). Built when
-    the process first needs it; a failure is remembered for the process and reported once as a warning."""
+    the process first needs it; a failure is remembered for the process and reported once as
+    a warning."""
     if "lib" in _state:
         return _state["lib"]  # type: ignore[return-value]
     with _lock:

@@ -5,6 +5,8 @@
 * ``llama``: Llama-3.2-1B with an *untied* ``lm_head`` (1,498,482,688 parameters in 147
   tensors; vocabulary 128256, hidden 2048, 16 layers, MLP 8192, 32 query / 8 key-value heads
   of 64). Linear weights use ``nn.Linear``'s ``[out, in]`` layout.
+* ``square4096``: one ``[4096, 4096]`` matrix (the CPU step's large-tensor case).
+* ``small64x256``: 64 ``[256, 256]`` matrices (the CPU step's many-small-tensors case).
 
 ``scale="tiny"`` keeps each set's tensor structure (same names, count and ranks) with small
 dimensions, for CPU tests.
@@ -16,7 +18,7 @@ import torch
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 
-MODELS = ("gpt2", "llama")
+MODELS = ("gpt2", "llama", "square4096", "small64x256")
 SCALES = ("full", "tiny")
 
 
@@ -70,6 +72,12 @@ def shapes_for(model: str, scale: str = "full") -> Shapes:
         raise ValueError(f"unknown scale {scale!r}; available: {', '.join(SCALES)}")
     if model == "gpt2":
         return gpt2_shapes() if scale == "full" else gpt2_shapes(512, 64, 64, 2)
+    if model == "square4096":
+        side = 4096 if scale == "full" else 128
+        return [("square.weight", (side, side))]
+    if model == "small64x256":
+        side = 256 if scale == "full" else 16
+        return [(f"small.{i}.weight", (side, side)) for i in range(64)]
     if scale == "full":
         return llama_shapes()
     return llama_shapes(512, 64, 2, 256, 4, 2, 16)

@@ -67,14 +67,23 @@ STEP_DEFAULT = ("gefen", "gefen-blockv", "adamw-fused", "adamw-foreach", "gefen-
                 "gefen-blockv-compiled", "muon", "gefen-muon-hybrid",
                 "gefen-muon-hybrid-adamw", "gefenx-0.5", "gefenx-0.5-blockv", "gefen-1.2")
 _COPY_BYTES = {"cuda": 4 * 2**30, "cpu": 256 * 2**20}
+# --device cpu defaults: the CPU step's three sets (docs/benchmarks.md) against torch's
+# default AdamW, fp32, in both second-moment modes.
+CPU_MODELS = "square4096,small64x256,gpt2"
+CPU_DEFAULT = ("adamw-default", "gefen", "gefen-blockv")
+# The optimizer each row's "x baseline" ratio divides by, per device type.
+_BASELINE = {"cpu": "adamw-default", "cuda": "adamw-fused"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``step``'s options on ``parser``."""
-    parser.add_argument("--models", default="gpt2,llama",
-                        help="comma-separated parameter sets: gpt2, llama (default both)")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated parameter sets: gpt2, llama, square4096, "
+                             "small64x256 (default gpt2,llama; on --device cpu "
+                             f"{CPU_MODELS})")
     parser.add_argument("--optimizers", default=None,
                         help="comma-separated optimizer names (default: " + ",".join(STEP_DEFAULT)
+                        + "; on --device cpu " + ",".join(CPU_DEFAULT)
                         + "; unavailable ones are reported as skipped)")
     parser.add_argument("--steps", type=int, default=50, help="timed steps (default 50)")
     parser.add_argument("--warmup", type=int, default=5,
@@ -82,8 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda")
     parser.add_argument("--scale", default="full", choices=SCALES,
                         help="full shapes, or tiny ones with the same structure (CPU tests)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="parameter and gradient dtype (default bfloat16)")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                        help="parameter and gradient dtype (default bfloat16; float32 on "
+                             "--device cpu)")
     parser.add_argument("--target", action="append", metavar="PKG=DIR",
                         help="published package dir (pip install --no-deps --target DIR): "
                              "gefen-x=DIR (0.5.x) or gefen=DIR (1.2.x)")
@@ -298,6 +308,27 @@ def run_step_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]) ->
     return {"rows": rows, "external_version": job.get("external_version")}
 
 
+def _add_ratios(rows: list[dict[str, Any]], baseline: str | None) -> None:
+    """``ratio_to_baseline``: each row's median step over ``baseline``'s on the same model
+    (``None`` where that optimizer was not measured)."""
+    base = {r["model"]: r["step_ms_median"] for r in rows if r["optimizer"] == baseline}
+    for r in rows:
+        ref = base.get(r["model"])
+        r["ratio_to_baseline"] = r["step_ms_median"] / ref if ref else None
+
+
+def _commit() -> str | None:
+    """The git commit of the working directory (``None`` outside a git checkout)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
 _HALF_COLUMNS = ["optimizer", "model", "Muon half params", "Muon half B/param",
                  "backup half params", "backup half B/param", "whole B/param",
                  "Muon + backup bytes", "whole bytes", "unattributed bytes"]
@@ -376,6 +407,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         console.print(f"chart: {png.resolve()}")
         return saved
 
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--device {args.device}: {exc}") from None
+    on_cpu = device.type == "cpu"
+    if args.models is None:
+        args.models = CPU_MODELS if on_cpu else "gpt2,llama"
+    if args.dtype is None:
+        args.dtype = "float32" if on_cpu else "bfloat16"
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in models:
         if m not in MODELS:
@@ -384,17 +424,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.steps < 1 or args.warmup < 0:
         raise argparse.ArgumentTypeError("--steps must be >= 1 and --warmup >= 0")
     names = (registry.parse_names(args.optimizers) if args.optimizers
-             else list(STEP_DEFAULT))
+             else list(CPU_DEFAULT if on_cpu else STEP_DEFAULT))
     targets = parse_assignments(args.target, "--target")
     for key in targets:
         if key not in registry.EXTERNAL_PACKAGES:
             raise argparse.ArgumentTypeError(
                 f"--target {key}=...: unknown package; use one of "
                 f"{', '.join(registry.EXTERNAL_PACKAGES)}")
-    try:
-        device = resolve_device(args.device)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--device {args.device}: {exc}") from None
     skipped = {n: r for n in names
                if (r := registry.availability(n, targets, device, plain_step=True)) is not None}
     for n, reason in skipped.items():
@@ -412,6 +448,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def report(complete: bool) -> dict[str, Any]:
         return {"device": str(device), "dtype": args.dtype, "scale": args.scale,
+                "commit": _commit(), "baseline": _BASELINE.get(device.type),
                 "models": models, "steps": args.steps, "warmup": args.warmup,
                 "copy_bandwidth": bandwidth, "rows": rows, "skipped": skipped,
                 "failed": failed, "wall_s": time.perf_counter() - start, "complete": complete}
@@ -440,11 +477,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         write_json(args.out / "step.json", "step", report(False), seeds=[0],
                    argv=getattr(args, "argv", None))
     wall = time.perf_counter() - start
-    columns = ["optimizer", "model", "step ms median", "host-issue ms", "first-step ms",
+    _add_ratios(rows, _BASELINE.get(device.type))
+    columns = ["optimizer", "model", "step ms median", "x baseline", "host-issue ms",
+               "first-step ms",
                "warm first-step ms", "compile ms", "state B/param", "alloc-delta B/param",
                "peak extra MiB", "first-step peak MiB", "first-step transient MiB",
                "min B/param", "eff GB/s", "% copy BW"]
-    table = [[r["optimizer"], r["model"], r["step_ms_median"], r["host_issue_ms_median"],
+    table = [[r["optimizer"], r["model"], r["step_ms_median"], r.get("ratio_to_baseline"),
+              r["host_issue_ms_median"],
               r["first_step_ms"], r.get("first_step_warm_ms"), r.get("compile_ms"),
               r["state_bytes_per_param"],
               r["alloc_delta_bytes_per_param"],
@@ -452,7 +492,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               r.get("first_step_transient_mib"), r["min_bytes_per_param"],
               r["eff_gb_per_s"], r["pct_copy_bw"]] for r in sorted(rows, key=lambda r: r["model"])]
     print_table(f"gefen-bench step · {device} · {args.dtype} · {args.scale} shapes · "
-                f"{args.steps} timed steps", columns, table)
+                f"{args.steps} timed steps · x baseline = median step / "
+                f"{_BASELINE.get(device.type)}'s (same run)", columns, table)
     halves = _halves_table(rows)
     if halves:
         print_table("state by half (Muon half over Muon-routed params, backup half over the "

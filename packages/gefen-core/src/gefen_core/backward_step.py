@@ -4,7 +4,7 @@ its gradient is released at once (docs/algorithm.md#step-in-backward).
 :func:`step_in_backward` registers ``Tensor.register_post_accumulate_grad_hook`` on each
 parameter. The training loop stays the normal one (``loss.backward(); opt.step();
 opt.zero_grad()``): during ``backward`` each hooked parameter is stepped by
-:meth:`gefen_core.Gefen._step_params` with the step count ``T`` that ``opt.step()`` is about to
+:meth:`gefen_core.Gefen._step_group` with the step count ``T`` that ``opt.step()`` is about to
 use, and its gradient is set to ``None``; ``opt.step()`` then steps whatever still has a
 gradient (nothing, or parameters no hook covers) and advances ``T``, its hooks and any LR
 scheduler's bookkeeping exactly once. The result is bit-identical to normal stepping, and the
@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _compiled_step, _dispatch
+from . import _compiled_step
+from . import dispatch as _dispatch
 from .optimizer import Gefen
 
 __all__ = ["BackwardStep", "step_in_backward"]
@@ -218,8 +219,9 @@ class BackwardStep:
             self._kept[key] = (p, g, g._version, norm)
             return
         _check_grad(p, g, entry[2])
+        group, _, name = entry
         with torch.no_grad():
-            self._target._step_params([entry])
+            self._target._step_group(group, self._target._init_group(group, [(p, g, name)], {}))
         p.grad = None
 
     def _before_step(self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -11,7 +11,8 @@ own. Period search and codebook learning belong to :class:`gefen_core.Gefen`.
 Three implementations share one keyword-only signature, as in ``torch.optim``:
 
 * :func:`_single_tensor_gefen` — the reference ops, one tensor at a time
-  (``gefen_kernels.reference_step``);
+  (``gefen_kernels.reference_step``; on the CPU, eager, ``gefen_kernels.op_step``: the same bits
+  from the native CPU step);
 * :func:`_foreach_gefen` — the same, with the counters advanced by one multi-tensor add per list;
 * :func:`_fused_gefen` — the fused step of the whole list (``gefen_kernels.fused_step``: cached
   launch plans, grouped launches, CUDA-graph replay on CUDA; the public ops elsewhere).
@@ -19,12 +20,13 @@ Three implementations share one keyword-only signature, as in ``torch.optim``:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from gefen_kernels import fused_step, reference_step
+from gefen_kernels import fused_step, op_step, reference_step
 
 __all__ = ["gefen"]
 
@@ -125,16 +127,25 @@ def gefen(
     )
 
 
-def _single_tensor_gefen(*args: Any, **kwargs: Any) -> None:
+def _per_tensor(params: Sequence[Tensor]) -> Callable[..., None]:
+    """The per-tensor step of the reference paths. On the CPU outside ``torch.compile``: the
+    public ops, whose CPU kernel is the native CPU step with the reference's bits
+    (docs/decisions.md "The CPU step"); elsewhere the reference ops, which the compiler traces."""
+    if params and params[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        return op_step
+    return reference_step
+
+
+def _single_tensor_gefen(params: Sequence[Tensor], *args: Any, **kwargs: Any) -> None:
     """Reference ops, one tensor at a time (valid on every device and dtype, fp64 included)."""
-    reference_step(*args, batched_counters=False, **kwargs)
+    _per_tensor(params)(params, *args, batched_counters=False, **kwargs)
 
 
-def _foreach_gefen(*args: Any, **kwargs: Any) -> None:
+def _foreach_gefen(params: Sequence[Tensor], *args: Any, **kwargs: Any) -> None:
     """Reference ops with the counters advanced by one multi-tensor add per list.
 
     Bit-identical to :func:`_single_tensor_gefen`: only the bookkeeping is batched."""
-    reference_step(*args, batched_counters=True, **kwargs)
+    _per_tensor(params)(params, *args, batched_counters=True, **kwargs)
 
 
 def _fused_gefen(*args: Any, **kwargs: Any) -> None:

@@ -625,9 +625,10 @@ class GefenMuon(Gefen):
 
         compiling = torch.compiler.is_compiling()
         # A traced step calls the op (opaque to the compiler, the reference's bits on the CPU)
-        # and seeds from the step-count tensors (docs/algorithm.md#compiled-stepping).
+        # and seeds from the step-count tensors (docs/algorithm.md#compiled-stepping). On the
+        # CPU the op runs the native CPU step (the reference's bits, docs/decisions.md).
         momentum_fn = (muon_momentum if _muon_momentum_path(p, group) == "fused" or compiling
-                       else muon_momentum_reference)
+                       or g.device.type == "cpu" else muon_momentum_reference)
         seed = 0
         seed_tensor = None
         if group["stochastic_round"]:

@@ -733,25 +733,7 @@ class Gefen(Optimizer):
         if self._reduces_factored_stats and self._codebook is not None:
             self._attach_factored_stats(inits)
         for group, by_path in inits:
-            beta1, beta2 = self._host_betas(group)
-            lr = group["lr"] if group["capturable"] else self._host_lr(group["lr"])
-            for path, lists in by_path.items():
-                # Lists are split by device only through the codebook copy they share.
-                for dev_lists in _dispatch.split_by_device(lists):
-                    _gefen_functional(
-                        dev_lists["params"], dev_lists["grads"], dev_lists["codes"],
-                        dev_lists["scales"], dev_lists["sqs"], dev_lists["rows"],
-                        dev_lists["cols"], dev_lists["steps"], dev_lists["sq_steps"],
-                        codebook=dev_lists["codebooks"][0], lr=lr, beta1=beta1, beta2=beta2,
-                        eps=group["eps"], weight_decay=group["weight_decay"],
-                        maximize=group["maximize"], stochastic_round=group["stochastic_round"],
-                        seeds=dev_lists["seeds"],
-                        seed_tensors=dev_lists["seed_tensors"] or None,
-                        foreach=path == "foreach", fused=path == "fused",
-                        capturable=group["capturable"], differentiable=False,
-                        factored_stats=dev_lists["factored_stats"]
-                        if any(s is not None for s in dev_lists["factored_stats"]) else None,
-                    )
+            self._step_group(group, by_path)
         for t in self._device_global_step.values():
             t.add_(1)
         self._global_step += 1
@@ -761,32 +743,30 @@ class Gefen(Optimizer):
         _compiled_step.prepare(self)
         return loss
 
-    # ---------------------------------------------- step of a subset (gefen_core.backward_step)
-    def _step_params(self, entries: Sequence[tuple[dict[str, Any], Tensor, str]]) -> None:
-        """Step ``(group, param, name)`` entries now, as :meth:`step` would step them with the
-        current step count ``T``: the one entry point of :mod:`gefen_core.backward_step`, which
-        calls it from each parameter's gradient hook (docs/algorithm.md#step-in-backward).
-        Nothing optimizer-wide moves (``T`` advances in the next :meth:`step`, which steps what
-        is left); the caller has validated each ``param.grad`` and knows that the codebook and
-        each parameter's period exist and that no group is ``capturable``."""
-        per_group: dict[int, tuple[dict[str, Any], list[tuple[Tensor, Tensor, str]]]] = {}
-        for group, p, name in entries:
-            assert p.grad is not None
-            per_group.setdefault(id(group), (group, []))[1].append((p, p.grad, name))
-        for group, items in per_group.values():
-            beta1, beta2 = self._host_betas(group)
-            lr = self._host_lr(group["lr"])
-            for path, lists in self._init_group(group, items, {}).items():
-                for dev_lists in _dispatch.split_by_device(lists):
-                    _gefen_functional(
-                        dev_lists["params"], dev_lists["grads"], dev_lists["codes"],
-                        dev_lists["scales"], dev_lists["sqs"], dev_lists["rows"],
-                        dev_lists["cols"], dev_lists["steps"], dev_lists["sq_steps"],
-                        codebook=dev_lists["codebooks"][0], lr=lr, beta1=beta1, beta2=beta2,
-                        eps=group["eps"], weight_decay=group["weight_decay"],
-                        maximize=group["maximize"], stochastic_round=group["stochastic_round"],
-                        seeds=dev_lists["seeds"], foreach=path == "foreach",
-                        fused=path == "fused", capturable=False, differentiable=False)
+    def _step_group(self, group: dict[str, Any],
+                    by_path: dict[str, dict[str, list[Any]]]) -> None:
+        """One group's initialised lists (:meth:`_init_group`) through
+        :func:`gefen_core.functional.gefen`, once per path and device. :meth:`step` calls it
+        for every group; :mod:`gefen_core.backward_step` for one parameter from its gradient
+        hook, with the step count ``T`` that the next :meth:`step` advances
+        (docs/algorithm.md#step-in-backward)."""
+        beta1, beta2 = self._host_betas(group)
+        lr = group["lr"] if group["capturable"] else self._host_lr(group["lr"])
+        for path, lists in by_path.items():
+            # Lists are split by device only through the codebook copy they share.
+            for dev_lists in _dispatch.split_by_device(lists):
+                stats = dev_lists["factored_stats"]
+                _gefen_functional(
+                    dev_lists["params"], dev_lists["grads"], dev_lists["codes"],
+                    dev_lists["scales"], dev_lists["sqs"], dev_lists["rows"], dev_lists["cols"],
+                    dev_lists["steps"], dev_lists["sq_steps"],
+                    codebook=dev_lists["codebooks"][0], lr=lr, beta1=beta1, beta2=beta2,
+                    eps=group["eps"], weight_decay=group["weight_decay"],
+                    maximize=group["maximize"], stochastic_round=group["stochastic_round"],
+                    seeds=dev_lists["seeds"], seed_tensors=dev_lists["seed_tensors"] or None,
+                    foreach=path == "foreach", fused=path == "fused",
+                    capturable=group["capturable"], differentiable=False,
+                    factored_stats=stats if any(s is not None for s in stats) else None)
 
     def _has_tensor_betas(self) -> bool:
         return any(isinstance(g["betas"][0], Tensor) for g in self.param_groups)

@@ -11,7 +11,7 @@ is exported from the package root only, so ``gefen_kernels.ops.period_scores`` s
 
 from .block_step import block_step, block_step_reference, block_step_triton
 from .factored_step import factored_step, factored_step_reference, factored_step_triton
-from .fused_step import FusedStepRecord, fused_step, reference_step
+from .fused_step import FusedStepRecord, fused_step, op_step, reference_step
 from .histogram import histogram, histogram_reference, histogram_sum, histogram_triton
 from .multi_block_step import (
     multi_block_step,
@@ -34,6 +34,9 @@ from .quantize import (
     sr_uniform_reference,
 )
 from .step_scalars import StepScalars, step_scalars
+
+# After the op modules: registers the CPU kernels of their custom ops (the native CPU step).
+from . import _cpu_step  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "FusedStepRecord",
@@ -64,6 +67,7 @@ __all__ = [
     "quantize_stochastic",
     "quantize_stochastic_reference",
     "quantize_stochastic_triton",
+    "op_step",
     "reference_step",
     "sr_uniform_reference",
     "step_scalars",

@@ -233,9 +233,11 @@ def block_step(
     """Block-mode step through ``torch.ops.gefen.block_step`` (arguments as the reference).
 
     CUDA tensors run the Triton kernel when Triton is available (fp64 params: the reference);
-    CPU tensors run the reference. Arguments are validated here, before the op mutates
-    anything. Traceable by ``torch.compile(fullgraph=True)``; with ``hyper`` and
-    ``seed_tensor`` the CUDA path does no host synchronisation (CUDA-graph capturable).
+    CPU tensors run the native CPU step (``gefen_kernels.ops._cpu_step``: the reference's
+    bits; fp64 params and builds without a C compiler take the reference itself). Arguments
+    are validated here, before the op mutates anything. Traceable by
+    ``torch.compile(fullgraph=True)``; with ``hyper`` and ``seed_tensor`` the CUDA path does no
+    host synchronisation (CUDA-graph capturable).
     """
     _check(param, grad, codes, scale, exp_avg_sq, codebook, beta1, beta2, eps, seed, hyper,
            seed_tensor, allow_fp64=True)

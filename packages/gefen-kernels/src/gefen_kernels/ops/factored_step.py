@@ -585,9 +585,9 @@ def factored_step(
     """Factored-mode step through ``torch.ops.gefen.factored_step`` (arguments as the reference).
 
     CUDA tensors take the Triton path when Triton is available (fp64: the reference); CPU
-    tensors the reference. ``stats``/``global_rows``: a row shard's reduced statistics (see
-    :func:`factored_partial_stats`). Validated here before anything is mutated; compile- and
-    CUDA-graph-safe (with ``hyper``/``seed_tensor``).
+    tensors the native CPU step (``ops._cpu_step``). ``stats``/``global_rows``: a row shard's
+    reduced statistics (see :func:`factored_partial_stats`). Validated here before anything
+    is mutated; compile- and CUDA-graph-safe (with ``hyper``/``seed_tensor``).
     """
     _check(param, grad, codes, scale, exp_avg_sq_row, exp_avg_sq_col, codebook, beta1, beta2,
            eps, seed, hyper, seed_tensor, allow_fp64=True)

@@ -206,6 +206,14 @@ def reference_step(*args: Any, batched_counters: bool = False, **kwargs: Any) ->
           batched_counters=batched_counters, **kwargs)
 
 
+def op_step(*args: Any, batched_counters: bool = False, **kwargs: Any) -> None:
+    """:func:`reference_step` through the public custom ops ``block_step`` / ``factored_step``
+    instead of their references: on the CPU their kernel is the native CPU step
+    (``ops._cpu_step``, the reference's bits, docs/decisions.md "The CPU step"), elsewhere the
+    device's kernel. Same arguments as :func:`reference_step`."""
+    _each(block_step, factored_step, *args, batched_counters=batched_counters, **kwargs)
+
+
 # ------------------------------------------------------------------------ the fused step
 def fused_step(
     params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg_codes: Sequence[Tensor],

@@ -271,7 +271,8 @@ def muon_momentum(
 
     Same arguments, result and errors as :func:`muon_momentum_reference`. CUDA tensors run
     the Triton kernel when Triton is available (fp64 gradients: the reference); CPU tensors
-    run the reference. Arguments are validated here, before the op mutates anything.
+    run the native CPU step (``gefen_kernels.ops._cpu_step``, the reference's bits).
+    Arguments are validated here, before the op mutates anything.
     Traceable by ``torch.compile(fullgraph=True)``; with ``seed_tensor`` the CUDA path does no
     host synchronisation (CUDA-graph capturable once the codebook's search table is cached).
     """

@@ -68,12 +68,19 @@ except ImportError:  # builds without torch.distributed
 
 # The op takes its scalars packed in lists: torch's custom-op dispatch costs time quadratic in
 # the number of schema arguments (about 0.3 ms a call at 26 arguments).
+#
+# The step counters (state_steps, exp_avg_sq_steps) are advanced inside the op but are not
+# declared mutated: the traced graph passes them through and never reads them, so nothing in
+# the graph depends on their new values. Declared, inductor functionalizes them, and for CUDA
+# parameters with CPU counters (capturable=False) it hands the op reinterpreted views of its
+# own buffers instead of the state's tensors, whose values make the host bias corrections fail
+# ("math domain error", seen on an H200 with torch 2.11).
 
 
 @torch.library.custom_op(
     "gefen::functional_step",
     mutates_args=("params", "exp_avg_codes", "exp_avg_scales", "exp_avg_sqs", "exp_avg_sq_rows",
-                  "exp_avg_sq_cols", "state_steps", "exp_avg_sq_steps"),
+                  "exp_avg_sq_cols"),
 )
 def _functional_step_op(
     params: list[Tensor], grads: list[Tensor], exp_avg_codes: list[Tensor],

@@ -32,7 +32,7 @@ from .._numerics import f32
 from . import _cpu_native
 from ._chunks import block_groups
 from ._search_table import search_table
-from ._step_ref import StepScalars, denominator, make_scalars
+from ._step_ref import ComputeScalars, denominator, make_scalars
 from .block_step import _check as _check_block
 from .block_step import _second_moment, block_step_reference
 from .factored_step import _check as _check_factored
@@ -104,7 +104,7 @@ def _seed(seed: int, seed_tensor: Tensor | None) -> int:
 
 
 def _step(param: Tensor, grad: Tensor, codes: Tensor, scale: Tensor, codebook: Tensor,
-          sc: StepScalars, *, sigma_block: Tensor | None, r: Tensor | None, k: Tensor | None,
+          sc: ComputeScalars, *, sigma_block: Tensor | None, r: Tensor | None, k: Tensor | None,
           inv_rbar: float, maximize: bool, stochastic_round: bool, seed: int) -> None:
     lib = _cpu_native.library()
     assert lib is not None

@@ -178,8 +178,10 @@ def test_step_cpu_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     shapes = shapes_for("gpt2", "tiny")
     adamw = rows["adamw-foreach"]
     assert adamw["tensors"] == len(shapes) and adamw["params"] == numel(shapes)
-    # bf16 exp_avg + exp_avg_sq (2 x 2 bytes/element) + one fp32 scalar `step` per tensor.
-    expected = (4 * numel(shapes) + 4 * len(shapes)) / numel(shapes)
+    # CPU steps default to fp32 (the offloaded step's master weights): fp32 exp_avg +
+    # exp_avg_sq (2 x 4 bytes/element) + one fp32 scalar `step` per tensor.
+    assert report["dtype"] == "float32"
+    expected = (8 * numel(shapes) + 4 * len(shapes)) / numel(shapes)
     assert adamw["state_bytes_per_param"] == pytest.approx(expected)
     assert rows["gefen"]["state_bytes_per_param"] < adamw["state_bytes_per_param"]
     for r in rows.values():

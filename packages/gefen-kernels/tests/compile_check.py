@@ -471,6 +471,7 @@ def _group_launch(cases: list[tuple[tuple[int, ...], int]], pdt: torch.dtype,
     factored)."""
     from gefen_kernels.ops.step_groups import StepGroups
     from gefen_kernels.ops.step_plan import StepPlan
+    from gefen_kernels.ops.step_scalars import StepScalars
 
     for flags in ({"maximize": False, "stochastic_round": False},
                   {"maximize": True, "stochastic_round": True}):
@@ -490,7 +491,7 @@ def _group_launch(cases: list[tuple[tuple[int, ...], int]], pdt: torch.dtype,
             plans.append(StepPlan(param, codes, scale, sq, row, col, cb, beta1=0.9, beta2=0.999,
                                   eps=1e-8, capturable=False, **flags))
             grads.append(torch.zeros(shape, dtype=gdt))
-        scalars = [(1e-3, 10.0, 30.0, 1.0)] * len(plans)
+        scalars = [StepScalars(lr=1e-3, bc2=10.0, bc1_recip=30.0, decay=1.0)] * len(plans)
         StepGroups(plans, grads).launch(grads, scalars, [3] * len(plans))
         # Unaligned gradients: the class without alignment hints.
         shifted = []

@@ -141,6 +141,8 @@ def run_fit_probe(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
     out: dict[str, Any] = {"size": cfg["size"], "config": cfg, "params": params_count,
                            "fits": False, "oom": None, "peak_bytes": None, "breakdown": None}
     if device.type == "cuda":
+        if device.index is None:  # the allocator cap needs an indexed device
+            device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
         out["budget_method"] = "torch.cuda.set_per_process_memory_fraction"

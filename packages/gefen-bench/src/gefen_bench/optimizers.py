@@ -153,7 +153,7 @@ class AdamWFP32State(torch.optim.Optimizer):
                                   "weight_decay": weight_decay})
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -136,7 +137,7 @@ def block_step_cpu(
 ) -> None:
     """:func:`gefen_kernels.ops.block_step_reference` on CPU tensors, bit for bit, through the
     native kernel (the reference itself where that cannot run). Same arguments and errors."""
-    kwargs = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, bc1_recip=bc1_recip,
+    kwargs: dict[str, Any] = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, bc1_recip=bc1_recip,
                   bc2_rsqrt=bc2_rsqrt, decay=decay, maximize=maximize,
                   stochastic_round=stochastic_round, seed=seed, hyper=hyper,
                   seed_tensor=seed_tensor)
@@ -184,7 +185,7 @@ def factored_step_cpu(
     """:func:`gefen_kernels.ops.factored_step_reference` on CPU tensors, bit for bit, through
     the native kernel (the reference itself where that cannot run). Same arguments and
     errors."""
-    kwargs = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, bc1_recip=bc1_recip,
+    kwargs: dict[str, Any] = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, bc1_recip=bc1_recip,
                   bc2_recip=bc2_recip, decay=decay, maximize=maximize,
                   stochastic_round=stochastic_round, seed=seed, hyper=hyper,
                   seed_tensor=seed_tensor, stats=stats, global_rows=global_rows)

@@ -73,10 +73,9 @@ def _census(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
             st = opt.state.get(p, {})
             if "exp_avg_codes" in st:
                 counts[(tuple(p.shape), int(st["period"]), "exp_avg_sq_row" in st)] += 1
-    rows = [{"shape": list(s), "period": per, "factored": f, "count": n}
-            for (s, per, f), n in counts.items()]
-    rows.sort(key=lambda r: -r["count"] * numel([("", tuple(r["shape"]))]))
-    return rows
+    ordered = sorted(counts.items(), key=lambda kv: -kv[1] * numel([("", kv[0][0])]))
+    return [{"shape": list(s), "period": per, "factored": f, "count": n}
+            for (s, per, f), n in ordered]
 
 
 def _kernel_times(opt: torch.optim.Optimizer, device: torch.device, steps: int,

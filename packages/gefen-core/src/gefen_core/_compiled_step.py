@@ -55,8 +55,11 @@ __all__ = ["counters_on_device", "functional_step", "seed_tensor", "sync_global_
            "traced_hybrid_step", "traced_muon_step", "traced_step"]
 
 _CPU = torch.device("cpu")
+_DTENSOR: type | None
 try:
-    from torch.distributed.tensor import DTensor as _DTENSOR
+    from torch.distributed.tensor import DTensor
+
+    _DTENSOR = DTensor
 except ImportError:  # builds without torch.distributed
     _DTENSOR = None
 

@@ -255,8 +255,8 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
         for p in group["params"]:
             if p.grad is not None and call_of.get(id(p), -1) >= 0:
                 stepped_states[call_of[id(p)]].append(opt.state[p])
-    for call, states in zip(calls, stepped_states):
-        call.counters = _rehome_counters(states)
+    for launch_call, states in zip(calls, stepped_states):
+        launch_call.counters = _rehome_counters(states)
     expects: list[list[tuple[Any, ...] | None]] = []
     for group in opt.param_groups:
         row: list[tuple[Any, ...] | None] = []

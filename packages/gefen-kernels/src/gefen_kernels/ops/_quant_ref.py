@@ -140,8 +140,17 @@ def round_codes(x: Tensor, codebook: Tensor, zero_grad: Tensor | None, *,
                 stochastic: bool, u: Tensor | None = None) -> Tensor:
     """The docs/algorithm.md#stochastic-rounding codes of fp32 ``x`` (1-D) for a step: nearest or
     stochastic rounding, and toward-zero rounding where ``zero_grad`` (bool, same shape) marks an
-    exactly-zero gradient (docs/algorithm.md#toward-zero-rounding). Int64 codes."""
-    q = stochastic_codes(x, codebook, u) if stochastic else nearest_codes(x, codebook)
+    exactly-zero gradient (docs/algorithm.md#toward-zero-rounding). Int64 codes.
+
+    Raises:
+        ValueError: ``stochastic`` without the uniforms ``u``.
+    """
+    if stochastic:
+        if u is None:
+            raise ValueError("stochastic rounding needs its uniforms: pass u")
+        q = stochastic_codes(x, codebook, u)
+    else:
+        q = nearest_codes(x, codebook)
     if zero_grad is not None:
         where = torch.nonzero(zero_grad.reshape(-1)).flatten()
         if where.numel():

@@ -76,6 +76,20 @@ def test_param_sets_match_the_published_model_sizes() -> None:
     assert len(shapes_for("gpt2", "tiny")) == 4 + 12 * 2
 
 
+def test_lora_set_holds_rank_16_adapters_of_every_projection() -> None:
+    lora = shapes_for("llama-lora")
+    d, q, kv, mlp, r = 2048, 2048, 512, 8192, 16  # Llama-3.2-1B's projection widths
+    # Per projection r * (in + out): q, k, v, o, then gate, up, down.
+    per_layer = r * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + mlp) + (mlp + d))
+    assert (len(lora), numel(lora)) == (16 * 7 * 2, 16 * per_layer)
+    names = dict(lora)
+    assert names["model.layers.0.mlp.down_proj.lora_A.weight"] == (r, mlp)
+    assert names["model.layers.15.self_attn.k_proj.lora_B.weight"] == (kv, r)
+    assert not any("embed" in n or "norm" in n or "lm_head" in n for n in names)
+    tiny = shapes_for("llama-lora", "tiny")
+    assert len(tiny) == 2 * 7 * 2 and all(4 in s for _, s in tiny)
+
+
 def test_lr_overrides() -> None:
     assert parse_lr_overrides(["gefen=3e-3", "digits:adamw=1e-3"]) == {
         (None, "gefen"): 3e-3, ("digits", "adamw"): 1e-3}

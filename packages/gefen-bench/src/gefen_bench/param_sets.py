@@ -5,6 +5,9 @@
 * ``llama``: Llama-3.2-1B with an *untied* ``lm_head`` (1,498,482,688 parameters in 147
   tensors; vocabulary 128256, hidden 2048, 16 layers, MLP 8192, 32 query / 8 key-value heads
   of 64). Linear weights use ``nn.Linear``'s ``[out, in]`` layout.
+* ``llama-lora``: the trainable part of Llama-3.2-1B with rank-16 LoRA adapters on every
+  attention and MLP projection, the base frozen (11,272,192 parameters in 224 tensors: per
+  projection ``lora_A`` ``[16, in]`` and ``lora_B`` ``[out, 16]``, PEFT's names and layouts).
 * ``square4096``: one ``[4096, 4096]`` matrix (the CPU step's large-tensor case).
 * ``small64x256``: 64 ``[256, 256]`` matrices (the CPU step's many-small-tensors case).
 
@@ -18,7 +21,7 @@ import torch
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 
-MODELS = ("gpt2", "llama", "square4096", "small64x256")
+MODELS = ("gpt2", "llama", "llama-lora", "square4096", "small64x256")
 SCALES = ("full", "tiny")
 
 
@@ -60,8 +63,23 @@ def llama_shapes(vocab: int = 128256, d: int = 2048, layers: int = 16, mlp: int 
     return shapes
 
 
+def lora_shapes(base: Shapes, rank: int = 16) -> Shapes:
+    """The adapters of ``base``'s attention and MLP projections (``[out, in]`` weights): per
+    projection ``lora_A`` ``[rank, in]`` and ``lora_B`` ``[out, rank]``, the tensors an
+    optimizer steps when the base model is frozen."""
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    shapes: Shapes = []
+    for name, shape in base:
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in projections:
+            out_features, in_features = shape
+            shapes += [(f"{module}.lora_A.weight", (rank, in_features)),
+                       (f"{module}.lora_B.weight", (out_features, rank))]
+    return shapes
+
+
 def shapes_for(model: str, scale: str = "full") -> Shapes:
-    """Shapes of ``model`` (``"gpt2"`` or ``"llama"``) at ``scale`` (``"full"`` or ``"tiny"``).
+    """Shapes of ``model`` (one of :data:`MODELS`) at ``scale`` (``"full"`` or ``"tiny"``).
 
     Raises:
         ValueError: unknown model or scale (the message lists the valid ones).
@@ -78,9 +96,10 @@ def shapes_for(model: str, scale: str = "full") -> Shapes:
     if model == "small64x256":
         side = 256 if scale == "full" else 16
         return [(f"small.{i}.weight", (side, side)) for i in range(64)]
-    if scale == "full":
-        return llama_shapes()
-    return llama_shapes(512, 64, 2, 256, 4, 2, 16)
+    llama = llama_shapes() if scale == "full" else llama_shapes(512, 64, 2, 256, 4, 2, 16)
+    if model == "llama-lora":
+        return lora_shapes(llama, rank=16 if scale == "full" else 4)
+    return llama
 
 
 def numel(shapes: Shapes) -> int:

@@ -78,8 +78,9 @@ _BASELINE = {"cpu": "adamw-default", "cuda": "adamw-fused"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``step``'s options on ``parser``."""
     parser.add_argument("--models", default=None,
-                        help="comma-separated parameter sets: gpt2, llama, square4096, "
-                             "small64x256 (default gpt2,llama; on --device cpu "
+                        help="comma-separated parameter sets: gpt2, llama, llama-lora, "
+                             "square4096, small64x256 (default gpt2,llama,llama-lora; on "
+                             "--device cpu "
                              f"{CPU_MODELS})")
     parser.add_argument("--optimizers", default=None,
                         help="comma-separated optimizer names (default: " + ",".join(STEP_DEFAULT)
@@ -413,7 +414,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"--device {args.device}: {exc}") from None
     on_cpu = device.type == "cpu"
     if args.models is None:
-        args.models = CPU_MODELS if on_cpu else "gpt2,llama"
+        args.models = CPU_MODELS if on_cpu else "gpt2,llama,llama-lora"
     if args.dtype is None:
         args.dtype = "float32" if on_cpu else "bfloat16"
     models = [m.strip() for m in args.models.split(",") if m.strip()]

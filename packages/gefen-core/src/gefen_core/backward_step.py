@@ -242,9 +242,9 @@ class BackwardStep:
         if _hyperparameters(opt.param_groups) != self._snapshot:
             raise RuntimeError(
                 "step_in_backward: a hyperparameter (lr, betas, weight_decay, ...) changed "
-                "between backward and optimizer.step(), after parameters had stepped with the "
-                "old value; change them before backward (a scheduler's step() after "
-                "optimizer.step() is right)")
+                "between backward and optimizer.step(); parameters step in backward with the "
+                "values set before it, so change them before backward (a scheduler's step() "
+                "after optimizer.step() is right)")
         if self._deferred:
             p = self._changed_gradient()
             if p is not None:
@@ -254,7 +254,8 @@ class BackwardStep:
                     "torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, or other gradient "
                     "processing). In-backward steps update each parameter before such "
                     "processing could run: use max_grad_norm_per_param= for per-parameter "
-                    "clipping, or normal stepping; nothing was stepped")
+                    "clipping, train in bf16 without a GradScaler, or step normally; nothing "
+                    "was stepped")
 
     def _changed_gradient(self) -> Tensor | None:
         """The first kept parameter whose gradient was replaced or changed since its hook, or

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -185,6 +186,8 @@ def test_tensor_lr_steps_as_the_float_and_follows_in_place_changes(
     lr = torch.tensor(LR)
     model, model2 = info.model(device), info.model(device)
     opt = info.build(model, lr=lr, weight_decay=0.0)
+    if _refused_as_torch_adamw_refuses(info, device, model, opt, lr=torch.tensor(LR)):
+        return
     opt2 = info.build(model2, lr=LR, weight_decay=0.0)
     train(model, opt, range(3))
     train(model2, opt2, range(3))
@@ -227,6 +230,10 @@ def test_tensor_betas_step_as_the_floats_and_follow_in_place_changes(
     betas = (torch.tensor(0.875, device=device), torch.tensor(0.9921875, device=device))
     model, model2 = info.model(device), info.model(device)
     opt = info.build(model, betas=betas, capturable=capturable)
+    if _refused_as_torch_adamw_refuses(info, device, model, opt,
+                                       betas=tuple(b.clone() for b in betas),
+                                       capturable=capturable):
+        return
     # Gefen reads tensor betas as the same floats. torch.optim.AdamW (the hybrid's "adamw"
     # backup) computes with tensor betas in another order: its twin gets tensors too.
     adamw = info.kwargs.get("backup_optimizer") == "adamw"
@@ -249,3 +256,23 @@ def test_tensor_betas_step_as_the_floats_and_follow_in_place_changes(
     sd = copy.deepcopy(opt.state_dict())
     opt.load_state_dict(sd)  # tensor betas checkpoint and load
     assert_same_state_dict(sd, opt.state_dict())
+
+
+def _refused_as_torch_adamw_refuses(
+    info: ConformanceInfo, device: str, model: nn.Module, opt: Any, **kwargs: Any
+) -> bool:
+    """For a hybrid with the ``"adamw"`` backup: whether ``torch.optim.AdamW`` itself refuses
+    these arguments on ``device`` when it steps (on CUDA its default foreach path raises for a
+    tensor ``lr`` or ``betas`` unless ``capturable``); if so, assert the hybrid's step raises
+    the same error. Gefen and a Gefen backup accept them everywhere."""
+    if info.kwargs.get("backup_optimizer") != "adamw":
+        return False
+    p = torch.zeros(2, device=device, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    try:
+        torch.optim.AdamW([p], **kwargs).step()
+    except (RuntimeError, ValueError) as exc:
+        with pytest.raises(type(exc), match=re.escape(str(exc))):
+            train(model, opt, range(1))
+        return True
+    return False

@@ -4,6 +4,7 @@ that cross between the two modes, and the combinations that are refused."""
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 
@@ -434,17 +435,38 @@ def test_sharded_optimizer_is_refused() -> None:
         step_in_backward(model, ShardedGefen(model.named_parameters()))
 
 
-def test_compiled_autograd_is_refused(monkeypatch) -> None:  # noqa: ANN001
+def _private_compiled_autograd(backward) -> None:  # noqa: ANN001
+    from torch._dynamo import compiled_autograd
+
+    with compiled_autograd._enable(functools.partial(torch.compile, backend="eager")):
+        backward()
+
+
+def _public_compiled_autograd(backward) -> None:  # noqa: ANN001
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        torch.compile(backward, backend="eager")()
+
+
+@pytest.mark.parametrize("route", [_private_compiled_autograd, _public_compiled_autograd],
+                         ids=["private-enable", "config-flag"])
+@pytest.mark.parametrize("in_backward_steps", [0, 1])
+def test_compiled_autograd_is_refused(route, in_backward_steps: int) -> None:  # noqa: ANN001
+    # Both ways into compiled autograd: torch._dynamo.compiled_autograd._enable(compiler)
+    # around backward (what some frameworks use) and the config flag on a compiled backward.
     model, opt = _started()
-    step_in_backward(model, opt)
-    _loss(model, _batch(0)).backward()
-    opt.step()
-    opt.zero_grad()
-    before = _frozen(model)
-    # What the hooks see when compiled autograd traces them.
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    loss = _loss(model, _batch(1))
-    with pytest.raises(RuntimeError, match="compiled autograd"):
-        loss.backward()
-    monkeypatch.undo()
+    handle = step_in_backward(model, opt)
+    for i in range(1 + in_backward_steps):  # the full first step, then steps in backward
+        _loss(model, _batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    before, state = _frozen(model), opt.state_dict()
+    loss = _loss(model, _batch(9))
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(RuntimeError, match="being traced \\(compiled autograd\\)"):
+            route(loss.backward)
+    finally:
+        torch._dynamo.reset()
     _same(_frozen(model), before)
+    _same(opt.state_dict(), state)
+    assert not handle._open and not handle._seen

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -176,11 +177,6 @@ class BackwardStep:
     # ------------------------------------------------------------------ hooks
     def _open_step(self) -> None:
         """The first gradient of a backward: what every parameter of this step shares."""
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                "step_in_backward: the gradient hooks are being traced (compiled autograd); "
-                "the in-backward step runs eagerly only: disable compiled autograd or remove() "
-                "the handle")
         opt = self._target
         _compiled_step.sync_global_step(opt)
         self._entries = {id(p): (group, p, name) for group, p, name in opt._named_params()}
@@ -191,6 +187,12 @@ class BackwardStep:
         self._open = True
 
     def _on_grad(self, p: Tensor) -> None:
+        if _compiled_autograd():
+            raise RuntimeError(
+                "step_in_backward: the gradient hooks are being traced (compiled autograd); "
+                "the in-backward step runs eagerly only: disable compiled autograd (the "
+                "torch._dynamo.config.compiled_autograd flag or a compiled_autograd._enable "
+                "context around backward) or remove() the handle; nothing was stepped")
         if self._no_step_depth or p.grad is None:
             return
         if not self._open:
@@ -311,6 +313,19 @@ class BackwardStep:
             if q is p:
                 return name
         return "<unnamed>"
+
+
+def _compiled_autograd() -> bool:
+    """Whether this gradient hook runs under compiled autograd, by any route into it: traced by
+    dynamo (``is_compiling``), inside a ``torch._dynamo.compiled_autograd._enable`` context (what
+    the ``torch._dynamo.config.compiled_autograd`` flag enters too), or called from a compiled
+    autograd graph running eagerly after a graph break (``in_compiled_autograd_region``, which
+    that graph's runtime sets while it disables the ``_enable`` flag)."""
+    if torch.compiler.is_compiling():
+        return True
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")  # not imported: not in use
+    return ca is not None and bool(getattr(ca, "compiled_autograd_enabled", False)
+                                   or getattr(ca, "in_compiled_autograd_region", False))
 
 
 def _gefen_of(optimizer: Any) -> Gefen:

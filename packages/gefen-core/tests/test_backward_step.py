@@ -4,6 +4,7 @@ that cross between the two modes, and the combinations that are refused."""
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 
@@ -112,6 +113,17 @@ def _same(a, b, where: str = "") -> None:
         assert a == b, where
 
 
+def _smallest_of_each_group(params: list[torch.Tensor], opt) -> set[int]:  # noqa: ANN001
+    groups = (opt.backup if isinstance(opt, GefenMuonHybrid) else opt).param_groups
+    hooked = {id(p) for p in params}
+    kept = set()
+    for group in groups:
+        sizes = [(p.numel(), i, p) for i, p in enumerate(group["params"]) if id(p) in hooked]
+        if sizes:
+            kept.add(id(min(sizes, key=lambda t: t[:2])[2]))
+    return kept
+
+
 def _train(modes: str, options: dict, *, steps: int = 20, switch_at: int = 10,
            tie: bool = False, hybrid: bool = False, accumulate: int = 1,
            clip_per_param: float | None = None, device: str = "cpu",
@@ -152,10 +164,14 @@ def _train(modes: str, options: dict, *, steps: int = 20, switch_at: int = 10,
         full = i in (0, switch_at) or (every and i % every == 0)  # full steps keep gradients
         if mode == "b" and handle is not None and not full:
             # Stepped in backward: every hooked gradient released, every parameter moved
-            # before optimizer.step().
+            # before optimizer.step(), but the smallest hooked parameter of each group, which
+            # keeps its gradient for optimizer.step().
             backup = {id(p) for p in handle.params}
+            kept = _smallest_of_each_group(handle.params, opt)
             for p, b in zip(model.parameters(), before):
-                if id(p) in backup:
+                if id(p) in kept:
+                    assert p.grad is not None and torch.equal(p.detach(), b)
+                elif id(p) in backup:
                     assert p.grad is None
                     assert not torch.equal(p.detach(), b)
         if mode == "n" and clip_per_param is not None:
@@ -232,8 +248,10 @@ def test_hybrid_gefen_backup_steps_in_backward() -> None:
     assert backup == {id(p) for g in opt.backup.param_groups for p in g["params"]}
     for i in range(2):
         _loss(model, _batch(i)).backward()
-        if i == 1:  # the Muon half keeps its gradients for optimizer.step()
-            assert all((p.grad is None) == (id(p) in backup) for p in model.parameters())
+        if i == 1:  # the Muon half (and one backup parameter a group) keeps its gradients
+            kept = _smallest_of_each_group(handle.params, opt)
+            assert all((p.grad is None) == (id(p) in backup - kept)
+                       for p in model.parameters())
         opt.step()
         opt.zero_grad()
 
@@ -290,6 +308,38 @@ def test_global_norm_clipping_is_refused_before_any_parameter_steps() -> None:
         opt.step()
     _same(_frozen(model), before)
     assert opt._codebook is None and not opt.state
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["gefen", "hybrid"])
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_gradient_clipping_that_starts_on_a_later_step_is_refused(clip: str,
+                                                                   hybrid: bool) -> None:
+    # Clipping that starts after the handle's first (full) step: the hooks have stepped and
+    # released almost every gradient, so clip_grad_norm_ over the model finds only the kept
+    # one of each group. The changed kept gradient is refused at optimizer.step().
+    model, opt, _ = _build({} if hybrid else OPTIONS["block-nearest"], hybrid=hybrid)
+    handle = step_in_backward(model, opt)
+    for i in range(3):
+        _loss(model, _batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    kept = _smallest_of_each_group(handle.params, opt)
+    _loss(model, _batch(3)).backward()
+    # Not moved by the refused step: the kept parameters and the hybrid's Muon half.
+    stepped = {id(p) for p in handle.params} - kept
+    assert len(kept) == len(opt.param_groups if not hybrid else opt.backup.param_groups) > 0
+    still = {id(p): p.detach().clone() for p in model.parameters() if id(p) not in stepped}
+    if clip == "norm":
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        assert 0 < float(norm)  # only the kept gradients (and the hybrid's Muon half) count
+    else:
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-6)
+    with pytest.raises(RuntimeError, match="changed between backward and optimizer.step.*"
+                                           "max_grad_norm_per_param.*already stepped"):
+        opt.step()
+    for p in model.parameters():
+        if id(p) in still:
+            _same(p.detach(), still[id(p)])
 
 
 def test_grad_scaler_is_refused_before_any_parameter_steps() -> None:
@@ -434,17 +484,38 @@ def test_sharded_optimizer_is_refused() -> None:
         step_in_backward(model, ShardedGefen(model.named_parameters()))
 
 
-def test_compiled_autograd_is_refused(monkeypatch) -> None:  # noqa: ANN001
+def _private_compiled_autograd(backward) -> None:  # noqa: ANN001
+    from torch._dynamo import compiled_autograd
+
+    with compiled_autograd._enable(functools.partial(torch.compile, backend="eager")):
+        backward()
+
+
+def _public_compiled_autograd(backward) -> None:  # noqa: ANN001
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        torch.compile(backward, backend="eager")()
+
+
+@pytest.mark.parametrize("route", [_private_compiled_autograd, _public_compiled_autograd],
+                         ids=["private-enable", "config-flag"])
+@pytest.mark.parametrize("in_backward_steps", [0, 1])
+def test_compiled_autograd_is_refused(route, in_backward_steps: int) -> None:  # noqa: ANN001
+    # Both ways into compiled autograd: torch._dynamo.compiled_autograd._enable(compiler)
+    # around backward (what some frameworks use) and the config flag on a compiled backward.
     model, opt = _started()
-    step_in_backward(model, opt)
-    _loss(model, _batch(0)).backward()
-    opt.step()
-    opt.zero_grad()
-    before = _frozen(model)
-    # What the hooks see when compiled autograd traces them.
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    loss = _loss(model, _batch(1))
-    with pytest.raises(RuntimeError, match="compiled autograd"):
-        loss.backward()
-    monkeypatch.undo()
+    handle = step_in_backward(model, opt)
+    for i in range(1 + in_backward_steps):  # the full first step, then steps in backward
+        _loss(model, _batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    before, state = _frozen(model), opt.state_dict()
+    loss = _loss(model, _batch(9))
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(RuntimeError, match="being traced \\(compiled autograd\\)"):
+            route(loss.backward)
+    finally:
+        torch._dynamo.reset()
     _same(_frozen(model), before)
+    _same(opt.state_dict(), state)
+    assert not handle._open and not handle._seen

@@ -13,13 +13,17 @@ between the two.
 
 The handle's first step, a step that learns or refreshes the codebook, and a parameter's first
 step (its period search) are full steps: the hooks keep those gradients and ``opt.step()`` does
-what it always does, then the handle releases them.
+what it always does, then the handle releases them. On every other step the smallest hooked
+parameter of each param group keeps its gradient for ``opt.step()`` as well, so that gradient
+processing between ``backward`` and ``opt.step()`` that starts on a later step (global-norm
+clipping, which would find no other gradient) changes a gradient the handle watches.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -53,6 +57,10 @@ def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: A
     bytes (2 bytes per parameter in bf16): each gradient lives from its accumulation to its
     parameter's update. The handle's first step, steps that learn or refresh the codebook and
     each parameter's first step are full steps (gradients kept until ``optimizer.step()``).
+    On the other steps every hooked gradient is ``None`` after ``backward`` but that of the
+    smallest hooked parameter (fewest elements) of each param group, kept until
+    ``optimizer.step()`` steps it: the handle watches it for gradient processing between the
+    two.
 
     Args:
         model_or_params (nn.Module or iterable of Tensor): a module, whose parameters that
@@ -93,10 +101,16 @@ def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: A
             on the handle's first step, which keeps them; a second backward (or, with a
             module, a second forward) before ``optimizer.step()`` outside ``no_step()``
             (gradient accumulation); a hyperparameter changed between ``backward`` and
-            ``optimizer.step()``; a ``closure``; fp16 autocast; compiled autograd. One case
-            is seen only after one update: a tied parameter whose gradient is accumulated
-            twice in one backward (reentrant activation checkpointing around both uses) raises
-            at its second accumulation.
+            ``optimizer.step()``; a ``closure``; fp16 autocast; compiled autograd, by any
+            route (``torch._dynamo.config.compiled_autograd`` or
+            ``torch._dynamo.compiled_autograd._enable``), at the first hook. Two cases are
+            seen only after updates: gradient clipping that starts on a later step raises at
+            that step's ``optimizer.step()``, after the other parameters stepped on their
+            unclipped gradients in its backward (resume from a checkpoint; it is seen when the
+            clipped parameters include a kept one, as ``model.parameters()`` does, and until
+            then ``clip_grad_norm_`` returns the norm of the kept gradients only); a tied
+            parameter whose gradient is accumulated twice in one backward (reentrant
+            activation checkpointing around both uses) raises at its second accumulation.
     """
     return BackwardStep(model_or_params, optimizer,
                         max_grad_norm_per_param=max_grad_norm_per_param)
@@ -130,6 +144,11 @@ class BackwardStep:
         self._seen: set[int] = set()
         self._entries: dict[int, tuple[dict[str, Any], Tensor, str]] = {}
         self._kept: dict[int, tuple[Tensor, Tensor, int, Tensor]] = {}
+        self._checked = False  # this step's gradients were compared at a step pre-hook
+        # The smallest hooked parameter of each param group keeps its gradient until
+        # optimizer.step() on every step: gradient processing between backward and step
+        # (clip_grad_norm_ over the model, which would find no other gradient) changes it.
+        self._watched = _watched(params, target.param_groups)
         self._snapshot: list[tuple[Any, ...]] = []
         self._handles: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -176,11 +195,6 @@ class BackwardStep:
     # ------------------------------------------------------------------ hooks
     def _open_step(self) -> None:
         """The first gradient of a backward: what every parameter of this step shares."""
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                "step_in_backward: the gradient hooks are being traced (compiled autograd); "
-                "the in-backward step runs eagerly only: disable compiled autograd or remove() "
-                "the handle")
         opt = self._target
         _compiled_step.sync_global_step(opt)
         self._entries = {id(p): (group, p, name) for group, p, name in opt._named_params()}
@@ -188,9 +202,16 @@ class BackwardStep:
         refresh = every > 0 and opt._global_step > 0 and opt._global_step % every == 0
         self._deferred = self._first or opt._codebook is None or refresh
         self._snapshot = _hyperparameters(opt.param_groups)
+        self._checked = False
         self._open = True
 
     def _on_grad(self, p: Tensor) -> None:
+        if _compiled_autograd():
+            raise RuntimeError(
+                "step_in_backward: the gradient hooks are being traced (compiled autograd); "
+                "the in-backward step runs eagerly only: disable compiled autograd (the "
+                "torch._dynamo.config.compiled_autograd flag or a compiled_autograd._enable "
+                "context around backward) or remove() the handle; nothing was stepped")
         if self._no_step_depth or p.grad is None:
             return
         if not self._open:
@@ -209,11 +230,12 @@ class BackwardStep:
             torch.nn.utils.clip_grad_norm_(p, self._max_norm, foreach=False)
         g = p.grad
         entry = self._entries.get(key)
-        if (self._deferred or entry is None
+        if (self._deferred or entry is None or key in self._watched
                 or "period" not in self._target.state.get(p, {})):
             # Kept for optimizer.step(), with what shows a change before it: the version
-            # counter (in-place ops such as clip_grad_norm_'s) and the norm (GradScaler's
-            # unscale_ writes without bumping the version). Norms on the device, no sync.
+            # counter (in-place ops such as clip_grad_norm_'s, which multiplies every gradient
+            # it finds, by 1 when the norm is below max_norm) and, on full steps, the norm
+            # (GradScaler's unscale_ writes without bumping the version). Norms on the device.
             norm = (torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
                     if self._deferred else g)  # not compared outside full steps
             self._kept[key] = (p, g, g._version, norm)
@@ -237,7 +259,13 @@ class BackwardStep:
                     "step_in_backward: a GradScaler is stepping this optimizer; a step it "
                     "skips for an overflow cannot be undone once parameters have stepped in "
                     "backward: train in bf16 without a scaler, or remove() the handle")
-        if opt is not self._target or not self._open:
+        if not self._open:
+            return
+        if not self._checked:
+            # At the first pre-hook of the step: a hybrid's own, before its Muon half moves.
+            self._refuse_changed_gradients()
+            self._checked = True
+        if opt is not self._target:
             return
         if _hyperparameters(opt.param_groups) != self._snapshot:
             raise RuntimeError(
@@ -245,26 +273,32 @@ class BackwardStep:
                 "between backward and optimizer.step(); parameters step in backward with the "
                 "values set before it, so change them before backward (a scheduler's step() "
                 "after optimizer.step() is right)")
+
+    def _refuse_changed_gradients(self) -> None:
+        p = self._changed_gradient()
+        if p is None:
+            return
         if self._deferred:
-            p = self._changed_gradient()
-            if p is not None:
-                raise RuntimeError(
-                    f"step_in_backward: the gradient of {self._name(p)!r} changed between "
-                    "backward and optimizer.step() (global-norm clipping such as "
-                    "torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, or other gradient "
-                    "processing). In-backward steps update each parameter before such "
-                    "processing could run: use max_grad_norm_per_param= for per-parameter "
-                    "clipping, train in bf16 without a GradScaler, or step normally; nothing "
-                    "was stepped")
+            done = "nothing was stepped"
+        else:
+            done = ("the other parameters already stepped in this backward on unclipped "
+                    "gradients, so resume from a checkpoint")
+        raise RuntimeError(
+            f"step_in_backward: the gradient of {self._name(p)!r} changed between backward "
+            "and optimizer.step() (global-norm clipping such as "
+            "torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, or other gradient "
+            "processing). In-backward steps update each parameter before such processing "
+            "could run: use max_grad_norm_per_param= for per-parameter clipping, train in "
+            f"bf16 without a GradScaler, or step normally; {done}")
 
     def _changed_gradient(self) -> Tensor | None:
         """The first kept parameter whose gradient was replaced or changed since its hook, or
-        ``None``: version counters first, then the norms (one host sync; full steps only)."""
+        ``None``: version counters first, then, on full steps, the norms (one host sync)."""
         kept = list(self._kept.values())
         for p, g, version, _ in kept:
             if p.grad is not g or g._version != version:
                 return p
-        if not kept:
+        if not kept or not self._deferred:
             return None
         device = kept[0][3].device
         then = torch.stack([norm.to(device) for *_, norm in kept])
@@ -311,6 +345,31 @@ class BackwardStep:
             if q is p:
                 return name
         return "<unnamed>"
+
+
+def _compiled_autograd() -> bool:
+    """Whether this gradient hook runs under compiled autograd, by any route into it: traced by
+    dynamo (``is_compiling``), inside a ``torch._dynamo.compiled_autograd._enable`` context (what
+    the ``torch._dynamo.config.compiled_autograd`` flag enters too), or called from a compiled
+    autograd graph running eagerly after a graph break (``in_compiled_autograd_region``, which
+    that graph's runtime sets while it disables the ``_enable`` flag)."""
+    if torch.compiler.is_compiling():
+        return True
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")  # not imported: not in use
+    return ca is not None and bool(getattr(ca, "compiled_autograd_enabled", False)
+                                   or getattr(ca, "in_compiled_autograd_region", False))
+
+
+def _watched(params: list[Tensor], groups: list[dict[str, Any]]) -> set[int]:
+    """``id`` of the smallest hooked parameter (fewest elements, the first of equals) of each
+    param group that has one."""
+    hooked = {id(p) for p in params}
+    chosen: set[int] = set()
+    for group in groups:
+        mine = [p for p in group["params"] if id(p) in hooked]
+        if mine:
+            chosen.add(id(min(mine, key=lambda p: p.numel())))
+    return chosen
 
 
 def _gefen_of(optimizer: Any) -> Gefen:

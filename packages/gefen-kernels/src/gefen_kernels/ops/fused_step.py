@@ -220,10 +220,19 @@ def _cpu_list(
 
     counters = list(state_steps) + list(exp_avg_sq_steps)
     torch._foreach_add_(counters, 1)
-    factored = [sq is None for sq in exp_avg_sqs]
-    host = _rounded_scalars(_read_counters(state_steps), _read_counters(exp_avg_sq_steps),
-                            factored, lr=_host_lr(lr), beta1=beta1, beta2=beta2,
-                            weight_decay=weight_decay)
+    # Per tensor StepScalars in fp64 (what the ops take; they round them for an fp32 step),
+    # computed once per distinct (step, exp_avg_sq_step, mode); rounded for the native call.
+    cache: dict[tuple[float, float, bool], tuple[StepScalars, StepScalars]] = {}
+    host: list[tuple[StepScalars, StepScalars]] = []  # (fp64, rounded to fp32)
+    host_lr = _host_lr(lr)
+    for t, tv, sq in zip(_read_counters(state_steps), _read_counters(exp_avg_sq_steps),
+                         exp_avg_sqs):
+        key = (t, tv, sq is None)
+        if key not in cache:
+            exact = step_scalars(t, tv, lr=host_lr, beta1=beta1, beta2=beta2,
+                                 weight_decay=weight_decay, factored=sq is None)
+            cache[key] = (exact, exact.rounded())
+        host.append(cache[key])
     sharded = [i for i in range(len(params))
                if factored_stats is not None and factored_stats[i] is not None]
     index = [i for i in range(len(params)) if not sharded or i not in set(sharded)]
@@ -233,13 +242,14 @@ def _cpu_list(
 
     rest = _cpu_step.step_list_cpu(
         pick(params), pick(grads), pick(exp_avg_codes), pick(exp_avg_scales),
-        pick(exp_avg_sqs), pick(exp_avg_sq_rows), pick(exp_avg_sq_cols), pick(host),
+        pick(exp_avg_sqs), pick(exp_avg_sq_rows), pick(exp_avg_sq_cols),
+        [host[i][1] for i in index],
         codebook=codebook, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize,
         stochastic_round=stochastic_round, seeds=None if seeds is None else pick(seeds))
     for i in sorted([index[j] for j in rest] + sharded):
         _apply(block_step, factored_step, params[i], grads[i], exp_avg_codes[i],
                exp_avg_scales[i], exp_avg_sqs[i], exp_avg_sq_rows[i], exp_avg_sq_cols[i],
-               host[i], None, codebook=codebook, beta1=beta1, beta2=beta2, eps=eps,
+               host[i][0], None, codebook=codebook, beta1=beta1, beta2=beta2, eps=eps,
                maximize=maximize, stochastic_round=stochastic_round,
                seed=0 if seeds is None else seeds[i], seed_tensor=None,
                stats=None if factored_stats is None else factored_stats[i])

@@ -316,12 +316,15 @@ def step_list_cpu(
     lib = _cpu_native.library()
     rest: list[int] = []
     take: list[int] = []
+    contiguous: dict[int, Tensor] = {}
     for i in range(n):
         p, g = params[i], grads[i]
         if (p.device.type != "cpu" or p.dtype not in _DTYPE_CODES or g.dtype not in _DTYPE_CODES
                 or not p.is_contiguous() or g.device.type != "cpu"):
             rest.append(i)
             continue
+        # The ops step the logical row-major order (docs/algorithm.md#state-layout).
+        g = contiguous[i] = g if g.is_contiguous() else g.contiguous()
         sq = exp_avg_sqs[i]
         if sq is not None:
             _check_block(p, g, exp_avg_codes[i], exp_avg_scales[i], sq, codebook, beta1, beta2,
@@ -341,9 +344,7 @@ def step_list_cpu(
     keep: list[Any] = []
     sc = None
     for i in take:
-        param, grad = params[i], grads[i]
-        grad = grad if grad.is_contiguous() else grad.contiguous()
-        keep.append(grad)
+        param, grad = params[i], contiguous[i]
         sq = exp_avg_sqs[i]
         hs = scalars[i]
         sc = cache.get(hs)

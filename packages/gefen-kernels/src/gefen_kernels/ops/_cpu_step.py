@@ -58,7 +58,7 @@ __all__ = ["block_step_cpu", "factored_step_cpu", "muon_momentum_cpu", "native_a
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Below this many elements a call runs on the calling thread alone.
-PARALLEL_MIN_ELEMENTS = 1 << 16
+PARALLEL_MIN_ELEMENTS = 1 << 14
 _MASK64 = (1 << 64) - 1
 _F32 = torch.float32
 
@@ -120,6 +120,13 @@ def _block_sqrt_v(grad: Tensor, exp_avg_sq: Tensor, num_blocks: int, period: int
     same shapes give the same sums), the EMA of ``exp_avg_sq`` in place (native, the same
     operations) and ``torch.sqrt`` of it (fp32 ``[B]``, what the native pass turns into
     ``sigma``)."""
+    chunk = _numerics.CHUNK_ELEMENTS
+    if period <= chunk and num_blocks <= chunk // period:
+        # One group of one tile (the usual case): the same reduction of the same [B, P] view.
+        sumsq = _squares(grad.view(num_blocks, period)).sum(dim=1, keepdim=True)
+        lib.gefen_cpu_block_v(exp_avg_sq.data_ptr(), sumsq.data_ptr(), num_blocks, period,
+                              sc.beta2, sc.one_minus_beta2)
+        return torch.sqrt(exp_avg_sq).reshape(-1)
     flat_g = grad.view(-1)
     parts: list[Tensor] = []
     for group in block_groups(num_blocks, period):

@@ -211,10 +211,10 @@ def _peak_extra(device: torch.device, fn: Callable[[], Any]) -> int | None:
     its resident set before (every allocation: torch's, native code's, Python's), where Linux
     exposes them, else ``None``."""
     if device.type != "cuda":
-        before = _rss_and_peak() if _reset_rss_peak() else None
+        start = _rss_and_peak() if _reset_rss_peak() else None
         fn()
-        after = _rss_and_peak()
-        return None if before is None or after is None else max(0, after[1] - before[0])
+        end = _rss_and_peak()
+        return None if start is None or end is None else max(0, end[1] - start[0])
     synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)

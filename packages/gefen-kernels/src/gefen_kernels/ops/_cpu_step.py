@@ -123,8 +123,8 @@ def _block_sqrt_v(grad: Tensor, exp_avg_sq: Tensor, num_blocks: int, period: int
     chunk = _numerics.CHUNK_ELEMENTS
     if period <= chunk and num_blocks <= chunk // period:
         # One group of one tile (the usual case): the same reduction of the same [B, P] view.
-        sumsq = _squares(grad.view(num_blocks, period)).sum(dim=1, keepdim=True)
-        lib.gefen_cpu_block_v(exp_avg_sq.data_ptr(), sumsq.data_ptr(), num_blocks, period,
+        block_sums = _squares(grad.view(num_blocks, period)).sum(dim=1, keepdim=True)
+        lib.gefen_cpu_block_v(exp_avg_sq.data_ptr(), block_sums.data_ptr(), num_blocks, period,
                               sc.beta2, sc.one_minus_beta2)
         return torch.sqrt(exp_avg_sq).reshape(-1)
     flat_g = grad.view(-1)

@@ -164,7 +164,9 @@ def _each(
     batched_counters: bool, factored_stats: Sequence[tuple[Tensor, int] | None] | None = None,
 ) -> None:
     """One op call per tensor; the scalars in fp64 on the host (the ops round them), or on
-    the device with ``capturable``."""
+    the device with ``capturable``. With the public ops on CPU tensors (eager, not
+    ``capturable``): :func:`_cpu_list`, the ops' CPU step of the whole list in one native
+    call."""
     if not params:
         return
     if (op_block is block_step and not capturable and params[0].device.type == "cpu"
@@ -267,9 +269,10 @@ def reference_step(*args: Any, batched_counters: bool = False, **kwargs: Any) ->
 
 def op_step(*args: Any, batched_counters: bool = False, **kwargs: Any) -> None:
     """:func:`reference_step` through the public custom ops ``block_step`` / ``factored_step``
-    instead of their references: on the CPU their kernel is the native CPU step
-    (``ops._cpu_step``, the reference's bits, docs/decisions.md "The CPU step"), elsewhere the
-    device's kernel. Same arguments as :func:`reference_step`."""
+    instead of their references: on the CPU (eager, not ``capturable``) their CPU kernel for
+    the whole list in one native call (``ops._cpu_step.step_list_cpu``, the reference's bits,
+    docs/decisions.md "The CPU step"), elsewhere each op with the device's kernel. Same
+    arguments as :func:`reference_step`."""
     _each(block_step, factored_step, *args, batched_counters=batched_counters, **kwargs)
 
 

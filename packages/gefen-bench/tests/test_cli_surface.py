@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -189,6 +191,9 @@ def test_step_cpu_tiny(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
         assert r["step_ms_p90"] >= r["step_ms_median"]
         assert r["first_step_warm_ms"] > 0
         assert r["timer"] == "host-wall"
+        if sys.platform.startswith("linux") and os.access("/proc/self/clear_refs", os.W_OK):
+            # CPU peak extra: peak resident set over the resident set before a step.
+            assert r["peak_extra_mib"] is not None and r["peak_extra_mib"] >= 0
     assert report["copy_bandwidth"]["gb_per_s"] > 0
 
 

@@ -28,9 +28,11 @@ second optimizer's first step, above); compile ms (compiled entries, above); sta
 storages reachable from the optimizer, :mod:`.state_bytes`); alloc-delta B/param (growth of
 ``memory_allocated`` from before the optimizer was built to after all steps); peak extra MiB
 (``max_memory_allocated`` − ``memory_allocated`` before a step, after
-``reset_peak_memory_stats``; max over 3 steady steps, and for the first step, which includes
-allocating the state); first-step transient MiB (that first-step peak less the memory the
-first step left allocated, i.e. its state: what the step needed beyond what it kept);
+``reset_peak_memory_stats``; on the CPU the process's peak resident set, reset just before the
+step, less its resident set before it, where Linux ``/proc`` has them; max over 3 steady
+steps, and on CUDA for the first step, which includes allocating the state); first-step
+transient MiB (that first-step peak less the memory the first step left allocated, i.e. its
+state: what the step needed beyond what it kept);
 eff GB/s = the optimizer's minimal bytes/param (registry) × params / median step; % of the
 device-to-device copy bandwidth measured in the same run. Each row records its ``timer``
 (``"cuda-events"`` on CUDA, ``"host-wall"`` otherwise).
@@ -182,10 +184,37 @@ def _allocated(device: torch.device) -> int | None:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
-def _peak_extra(device: torch.device, fn: Callable[[], Any]) -> int | None:
-    if device.type != "cuda":
-        fn()
+def _rss_and_peak() -> tuple[int, int] | None:
+    """This process's resident set and its high-water mark (bytes; Linux ``/proc``)."""
+    try:
+        with open("/proc/self/status") as f:
+            values = {k: int(v.split()[0]) * 1024 for k, _, v in
+                      (line.partition(":") for line in f) if k in ("VmRSS", "VmHWM")}
+        return values["VmRSS"], values["VmHWM"]
+    except (OSError, KeyError, ValueError):
         return None
+
+
+def _reset_rss_peak() -> bool:
+    """Reset the high-water mark to the current resident set (Linux ``clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _peak_extra(device: torch.device, fn: Callable[[], Any]) -> int | None:
+    """Bytes ``fn`` needs above what is allocated before it: CUDA ``max_memory_allocated`` over
+    ``memory_allocated``; on the CPU the process's peak resident set (reset just before) over
+    its resident set before (every allocation: torch's, native code's, Python's), where Linux
+    exposes them, else ``None``."""
+    if device.type != "cuda":
+        start = _rss_and_peak() if _reset_rss_peak() else None
+        fn()
+        end = _rss_and_peak()
+        return None if start is None or end is None else max(0, end[1] - start[0])
     synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)

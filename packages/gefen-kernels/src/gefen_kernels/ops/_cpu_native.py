@@ -28,14 +28,20 @@ import threading
 import warnings
 from pathlib import Path
 
-__all__ = ["library", "status"]
+__all__ = ["Shared", "TensorDesc", "library", "status"]
 
 # -ffp-contract=off: no fused multiply-add, every operation rounded on its own (the canonical
-# rounding sequence of gefen_kernels._numerics); no -ffast-math. -march=native for this CPU's
-# vector units: the cache key includes the CPU's feature flags, so another CPU sharing the
-# cache directory builds its own library.
+# rounding sequence of gefen_kernels._numerics); no -ffast-math. -fno-trapping-math only lets
+# the vectoriser compute both sides of a select (no value changes: floating-point exceptions
+# are never read). -march=native for this CPU's vector units: the cache key includes the CPU's
+# feature flags, so another CPU sharing the cache directory builds its own library.
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off",
-          "-fno-math-errno")
+          "-fno-math-errno", "-fno-trapping-math")
+# One call splits its blocks over threads itself: with OpenMP where the compiler has it (the
+# library then resolves the libgomp torch has loaded, the same soname, and shares torch's
+# pool: no thread of ours competes with the worker torch's last parallel region left spinning),
+# else with its own POSIX threads.
+_THREAD_FLAGS = (("-fopenmp",), ("-pthread",))
 _SOURCE = Path(__file__).with_name("_cpu_step.c")
 
 _lock = threading.Lock()
@@ -75,8 +81,9 @@ def _cpu_flags() -> str:
 def _build(source: bytes, cc: str) -> Path:
     version = subprocess.run([*cc.split(), "--version"], capture_output=True, timeout=60,
                              check=False).stdout
-    key = hashlib.sha256(source + repr((_FLAGS, cc, platform.machine(), sys.platform,
-                                        _cpu_flags())).encode() + version).hexdigest()[:20]
+    key = hashlib.sha256(source + repr((_FLAGS, _THREAD_FLAGS, cc, platform.machine(),
+                                        sys.platform, _cpu_flags())).encode()
+                         + version).hexdigest()[:20]
     suffix = ".dll" if sys.platform == "win32" else ".so"
     for directory in (_cache_dir(), Path(tempfile.gettempdir()) / "gefen_kernels"):
         target = directory / f"cpu_step-{key}{suffix}"
@@ -89,8 +96,12 @@ def _build(source: bytes, cc: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=suffix, dir=directory)
         os.close(fd)
         try:
-            done = subprocess.run([*cc.split(), *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
-                                  capture_output=True, text=True, timeout=300, check=False)
+            for threading_flags in _THREAD_FLAGS:
+                done = subprocess.run(
+                    [*cc.split(), *_FLAGS, *threading_flags, "-o", tmp, str(_SOURCE), "-lm"],
+                    capture_output=True, text=True, timeout=300, check=False)
+                if done.returncode == 0:
+                    break
             if done.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
             os.replace(tmp, target)  # atomic: concurrent builds of one key agree
@@ -102,14 +113,37 @@ def _build(source: bytes, cc: str) -> Path:
                        "directory); set GEFEN_KERNELS_CACHE")
 
 
+class Shared(ctypes.Structure):
+    """``gefen_shared`` of ``_cpu_step.c``: the codebook and options of one call."""
+
+    _fields_ = [("cb", ctypes.c_void_p), ("cb_out", ctypes.c_void_p),
+                ("table", ctypes.c_void_p), ("b1", ctypes.c_float), ("omb1", ctypes.c_float),
+                ("eps", ctypes.c_float), ("maximize", ctypes.c_int32),
+                ("stochastic", ctypes.c_int32), ("nesterov", ctypes.c_int32)]
+
+
+class TensorDesc(ctypes.Structure):
+    """``gefen_tensor`` of ``_cpu_step.c``: one tensor of a call (addresses and scalars)."""
+
+    _fields_ = [("param", ctypes.c_void_p), ("grad", ctypes.c_void_p),
+                ("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("sqrt_v", ctypes.c_void_p), ("r", ctypes.c_void_p), ("k", ctypes.c_void_p),
+                ("r_total", ctypes.c_void_p), ("num_blocks", ctypes.c_int64),
+                ("period", ctypes.c_int64), ("rows", ctypes.c_int64), ("ncols", ctypes.c_int64),
+                ("pdt", ctypes.c_int32), ("gdt", ctypes.c_int32), ("factored", ctypes.c_int32),
+                ("write_param", ctypes.c_int32), ("lr", ctypes.c_float), ("bc2", ctypes.c_float),
+                ("bc1_recip", ctypes.c_float), ("decay", ctypes.c_float),
+                ("inv_rbar", ctypes.c_float), ("seed", ctypes.c_uint64)]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i, i64, u64, f = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64,
-                         ctypes.c_float)
-    lib.gefen_cpu_step.restype = None
-    lib.gefen_cpu_step.argtypes = [p, i, p, i, p, p, i64, i64, i64, p, p, p, i64, f, p, p,
-                                   f, f, f, f, f, f, f, i, i, u64, i]
-    lib.gefen_cpu_muon.restype = None
-    lib.gefen_cpu_muon.argtypes = [p, i, p, p, i64, i64, i64, p, p, p, p, f, f, i, i, u64, i]
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.gefen_cpu_run.restype = None
+    lib.gefen_cpu_run.argtypes = [p, i64, p, i, i]
+    lib.gefen_cpu_block_v.restype = None
+    lib.gefen_cpu_block_v.argtypes = [p, p, i64, i64, f, f]
+    lib.gefen_cpu_factored_ema.restype = None
+    lib.gefen_cpu_factored_ema.argtypes = [p, p, i64, f, f, f]
 
 
 def library() -> ctypes.CDLL | None:

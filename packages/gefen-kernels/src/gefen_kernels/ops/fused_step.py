@@ -164,8 +164,18 @@ def _each(
     batched_counters: bool, factored_stats: Sequence[tuple[Tensor, int] | None] | None = None,
 ) -> None:
     """One op call per tensor; the scalars in fp64 on the host (the ops round them), or on
-    the device with ``capturable``."""
+    the device with ``capturable``. With the public ops on CPU tensors (eager, not
+    ``capturable``): :func:`_cpu_list`, the ops' CPU step of the whole list in one native
+    call."""
     if not params:
+        return
+    if (op_block is block_step and not capturable and params[0].device.type == "cpu"
+            and not torch.compiler.is_compiling()):
+        _cpu_list(params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sqs, exp_avg_sq_rows,
+                  exp_avg_sq_cols, state_steps, exp_avg_sq_steps, codebook=codebook, lr=lr,
+                  beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                  maximize=maximize, stochastic_round=stochastic_round, seeds=seeds,
+                  factored_stats=factored_stats)
         return
     if batched_counters:
         torch._foreach_add_(list(state_steps), 1)
@@ -196,6 +206,57 @@ def _each(
         )
 
 
+def _cpu_list(
+    params: Sequence[Tensor], grads: Sequence[Tensor], exp_avg_codes: Sequence[Tensor],
+    exp_avg_scales: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor | None],
+    exp_avg_sq_rows: Sequence[Tensor | None], exp_avg_sq_cols: Sequence[Tensor | None],
+    state_steps: Sequence[Tensor], exp_avg_sq_steps: Sequence[Tensor], *, codebook: Tensor,
+    lr: float | Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+    maximize: bool, stochastic_round: bool, seeds: Sequence[int] | None,
+    factored_stats: Sequence[tuple[Tensor, int] | None] | None,
+) -> None:
+    """The ops' CPU step of a whole list (non-capturable, eager): the tensors the native CPU
+    step takes in one native call (``ops._cpu_step.step_list_cpu``, the ops' bits), the rest
+    (reduced row-shard statistics, non-contiguous or other dtypes) one op call each."""
+    from . import _cpu_step
+
+    counters = list(state_steps) + list(exp_avg_sq_steps)
+    torch._foreach_add_(counters, 1)
+    # Per tensor StepScalars in fp64 (what the ops take; they round them for an fp32 step),
+    # computed once per distinct (step, exp_avg_sq_step, mode); rounded for the native call.
+    cache: dict[tuple[float, float, bool], tuple[StepScalars, StepScalars]] = {}
+    host: list[tuple[StepScalars, StepScalars]] = []  # (fp64, rounded to fp32)
+    host_lr = _host_lr(lr)
+    for t, tv, sq in zip(_read_counters(state_steps), _read_counters(exp_avg_sq_steps),
+                         exp_avg_sqs):
+        key = (t, tv, sq is None)
+        if key not in cache:
+            exact = step_scalars(t, tv, lr=host_lr, beta1=beta1, beta2=beta2,
+                                 weight_decay=weight_decay, factored=sq is None)
+            cache[key] = (exact, exact.rounded())
+        host.append(cache[key])
+    sharded = [i for i in range(len(params))
+               if factored_stats is not None and factored_stats[i] is not None]
+    index = [i for i in range(len(params)) if not sharded or i not in set(sharded)]
+
+    def pick(items: Sequence[Any]) -> list[Any]:
+        return [items[i] for i in index]
+
+    rest = _cpu_step.step_list_cpu(
+        pick(params), pick(grads), pick(exp_avg_codes), pick(exp_avg_scales),
+        pick(exp_avg_sqs), pick(exp_avg_sq_rows), pick(exp_avg_sq_cols),
+        [host[i][1] for i in index],
+        codebook=codebook, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize,
+        stochastic_round=stochastic_round, seeds=None if seeds is None else pick(seeds))
+    for i in sorted([index[j] for j in rest] + sharded):
+        _apply(block_step, factored_step, params[i], grads[i], exp_avg_codes[i],
+               exp_avg_scales[i], exp_avg_sqs[i], exp_avg_sq_rows[i], exp_avg_sq_cols[i],
+               host[i][0], None, codebook=codebook, beta1=beta1, beta2=beta2, eps=eps,
+               maximize=maximize, stochastic_round=stochastic_round,
+               seed=0 if seeds is None else seeds[i], seed_tensor=None,
+               stats=None if factored_stats is None else factored_stats[i])
+
+
 def reference_step(*args: Any, batched_counters: bool = False, **kwargs: Any) -> None:
     """:func:`fused_step` through ``block_step_reference`` / ``factored_step_reference``, one
     tensor at a time: valid on every device and dtype (fp64 included), and what the fused
@@ -208,9 +269,10 @@ def reference_step(*args: Any, batched_counters: bool = False, **kwargs: Any) ->
 
 def op_step(*args: Any, batched_counters: bool = False, **kwargs: Any) -> None:
     """:func:`reference_step` through the public custom ops ``block_step`` / ``factored_step``
-    instead of their references: on the CPU their kernel is the native CPU step
-    (``ops._cpu_step``, the reference's bits, docs/decisions.md "The CPU step"), elsewhere the
-    device's kernel. Same arguments as :func:`reference_step`."""
+    instead of their references: on the CPU (eager, not ``capturable``) their CPU kernel for
+    the whole list in one native call (``ops._cpu_step.step_list_cpu``, the reference's bits,
+    docs/decisions.md "The CPU step"), elsewhere each op with the device's kernel. Same
+    arguments as :func:`reference_step`."""
     _each(block_step, factored_step, *args, batched_counters=batched_counters, **kwargs)
 
 

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from gefen_kernels.ops import transient_tables
 from torch import Tensor
 
 from . import dispatch as _dispatch
@@ -94,12 +95,17 @@ def _functional_step_op(
 ) -> None:
     lr, beta1, beta2, eps, weight_decay = scalars
     maximize, stochastic_round, capturable = flags
-    functional_step(
-        params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sqs, exp_avg_sq_rows,
-        exp_avg_sq_cols, state_steps, exp_avg_sq_steps, codebook=codebook,
-        global_step=global_step, lr=lr if lr_tensor is None else lr_tensor, factored=factored,
-        salts=salts, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-        maximize=maximize, stochastic_round=stochastic_round, path=path, capturable=capturable)
+    # A compiled caller may own the memory this call allocates from (reduce-overhead: the
+    # CUDA-graph trees' pool, which refuses tensors that outlive the call), so the launch
+    # tables built here are not kept; the eager steps keep theirs.
+    with transient_tables():
+        functional_step(
+            params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sqs, exp_avg_sq_rows,
+            exp_avg_sq_cols, state_steps, exp_avg_sq_steps, codebook=codebook,
+            global_step=global_step, lr=lr if lr_tensor is None else lr_tensor,
+            factored=factored, salts=salts, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, maximize=maximize, stochastic_round=stochastic_round,
+            path=path, capturable=capturable)
 
 
 @_functional_step_op.register_fake

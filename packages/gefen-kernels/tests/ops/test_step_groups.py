@@ -361,6 +361,34 @@ def test_device_buffer_equals_the_staged_buffer() -> None:
     assert groups.device_offsets(grads) is offsets  # the first copy is never evicted
 
 
+def test_transient_tables_build_offset_tables_without_keeping_them() -> None:
+    """Inside transient_tables() (a compiled caller whose memory pool refuses tensors that
+    outlive the call) a new gradient-offset table serves the call and is not kept; the kept
+    ones are still used, and the scope nests."""
+    from gefen_kernels.ops import transient_tables
+    from gefen_kernels.ops._device import keeps_tables
+
+    dev = _device()
+    cb = make_codebook(2).to(dev)
+    items = _tensors(dev, seed=5)
+    grads = [it["grad"] for it in items]
+    groups = StepGroups(_plans(items, cb, maximize=False, stochastic_round=False), grads)
+    kept = groups.device_offsets(grads)
+    other = [g.clone() for g in grads]
+    with transient_tables():
+        with transient_tables():
+            assert not keeps_tables()
+        assert not keeps_tables()
+        assert groups.device_offsets(grads) is kept
+        fresh = groups.device_offsets(other)
+        assert fresh is not None and fresh is not kept
+        assert groups.device_offsets(other) is not fresh
+    assert keeps_tables()
+    assert list(groups._offset_tables.values()) == [kept]
+    outside = groups.device_offsets(other)
+    assert torch.equal(outside, fresh) and groups.device_offsets(other) is outside
+
+
 def test_groups_hold_no_tensor() -> None:
     """The tables keep offsets and plans (weak references), never a tensor: the optimizer
     state a group was built for is freed with it, also when the group is cached under a weak

@@ -9,6 +9,7 @@ is exported from the package root only, so ``gefen_kernels.ops.period_scores`` s
 (its tests patch module constants through it).
 """
 
+from ._device import transient_tables
 from .block_step import block_step, block_step_reference, block_step_triton
 from .factored_step import factored_step, factored_step_reference, factored_step_triton
 from .fused_step import FusedStepRecord, fused_step, op_step, reference_step
@@ -69,6 +70,7 @@ __all__ = [
     "quantize_stochastic_triton",
     "op_step",
     "reference_step",
+    "transient_tables",
     "sr_uniform_reference",
     "step_scalars",
 ]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
 import torch
@@ -52,3 +54,33 @@ def on_tensor_device(fn: _F) -> _F:
         return fn(*args, **kwargs)
 
     return cast(_F, launcher)
+
+
+_TRANSIENT = threading.local()
+
+
+@contextlib.contextmanager
+def transient_tables() -> Iterator[None]:
+    """Within this scope the fused step keeps none of the device tables it builds (launch
+    tables, gradient-offset tables, graph-replay buffers): it uses the ones an earlier eager
+    step kept and frees what it builds itself when the step returns.
+
+    For a caller whose allocations may land in a memory pool it does not own: under
+    ``torch.compile(mode="reduce-overhead")`` the step's warm-up and recording allocate from
+    the CUDA-graph trees' private pool, which refuses any tensor that outlives the recorded
+    call ("tensors in the cudagraph pool not tracked as outputs"). A step that finds no kept
+    table takes the per-tensor launches, which give the grouped launches' bits. Nests; applies
+    to the current thread.
+    """
+    depth = getattr(_TRANSIENT, "depth", 0)
+    _TRANSIENT.depth = depth + 1
+    try:
+        yield
+    finally:
+        _TRANSIENT.depth = depth
+
+
+def keeps_tables() -> bool:
+    """Whether a device table built now may be kept for later steps (not inside
+    :func:`transient_tables`)."""
+    return getattr(_TRANSIENT, "depth", 0) == 0

@@ -35,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .._numerics import to_signed64
 from .._triton import interpret_mode, triton_available
 from . import _step_graphs
+from ._device import keeps_tables
 from .block_step import block_step, block_step_reference
 from .factored_step import factored_step, factored_step_reference
 from .step_groups import StepGroups
@@ -496,6 +497,7 @@ def _grouped_capturable(
     if gptr is None:
         return False
     if capturing:
+        # Tables built outside this capture (a capture builds none): a reference, no allocation.
         kept = _CAPTURED_GROUPS.setdefault(exp_avg_codes[0], [])
         if not any(k is groups for k in kept):
             kept.append(groups)
@@ -525,7 +527,8 @@ def _step_groups(plans: Sequence[StepPlan], grads: Sequence[Tensor], anchor: Ten
         if not build:
             return None
         groups = StepGroups(plans, grads)
-        _GROUPS[anchor] = groups
+        if keeps_tables():
+            _GROUPS[anchor] = groups
     return groups
 
 
@@ -548,7 +551,7 @@ def _graphable(params: Sequence[Tensor],
     """Whether this eager step can be graph-replayed (:mod:`._step_graphs`): every tensor
     takes a plan (contiguous, no reduced row-shard statistics) and no graph is being captured
     by the caller (then the launches belong in the caller's graph)."""
-    return (_step_graphs.enabled() and len(params) > 1
+    return (_step_graphs.enabled() and keeps_tables() and len(params) > 1
             and (factored_stats is None or all(s is None for s in factored_stats))
             and all(p.is_contiguous() for p in params)
             and not torch.cuda.is_current_stream_capturing())

@@ -23,7 +23,7 @@ from torch import Tensor
 from .._numerics import f32
 from .._triton import program_elements, require_triton, triton
 from ._decision_table import kernel_table
-from ._device import check_device_for_triton, on_tensor_device, use_triton
+from ._device import check_device_for_triton, keeps_tables, on_tensor_device, use_triton
 from ._group_kernels import _group_tile_kernel
 from ._step_kernels import TILE_ELEMENTS, TILE_MAX_PERIOD, needs_int64, tile_warps
 from ._triton_helpers import LAUNCH_OPTIONS
@@ -121,9 +121,10 @@ def _group_tables(members: list[int], params: list[Tensor], grads: list[Tensor],
     tables = (torch.tensor(rows, dtype=torch.int64).to(device),
               torch.tensor(prog, dtype=torch.int32).to(device),
               torch.tensor(gptr, dtype=torch.int64).to(device), len(prog))
-    if len(_TABLES) >= _TABLES_MAX:
-        _TABLES.clear()
-    _TABLES[key] = tables
+    if keeps_tables():
+        if len(_TABLES) >= _TABLES_MAX:
+            _TABLES.clear()
+        _TABLES[key] = tables
     return tables
 
 

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor
 
 from .._numerics import f32, to_signed64
+from ._device import keeps_tables
 from ._factored_step_kernels import (
     _FIN_COLS,
     _FIN_CONSTS,
@@ -566,7 +567,7 @@ class StepGroups:
         staged = torch.tensor(offsets, dtype=torch.int64)
         table = torch.empty(len(offsets), dtype=torch.int64, device=self.device)
         table.copy_(staged.pin_memory() if self._pin else staged, non_blocking=self._pin)
-        if len(self._offset_tables) < OFFSET_TABLES:
+        if len(self._offset_tables) < OFFSET_TABLES and keeps_tables():
             self._offset_tables[offsets] = table
         return table
 

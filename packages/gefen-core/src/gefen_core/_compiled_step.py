@@ -46,8 +46,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gefen_kernels.ops import transient_tables
 from torch import Tensor
+
+from gefen_kernels.ops import transient_tables
 
 from . import dispatch as _dispatch
 from . import functional

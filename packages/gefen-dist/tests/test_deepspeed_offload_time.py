@@ -27,6 +27,7 @@ from _dist_models import batches, lm_loss, make_model
 from gefen_core import Gefen
 from gefen_dist.deepspeed import initialize, zero_config_keys
 from gefen_dist.testing import run_distributed
+from gefen_kernels import cpu_step_status
 
 EXT_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
 # About 110M parameters: one flat fp32 partition of that size reaches the host optimizer.
@@ -89,9 +90,28 @@ def _run(name: str, data: list) -> dict:
             "engine_step_ms_median": statistics.median(engine_ms[WARMUP:])}
 
 
+def _direct_step_ms(numel: int) -> float:
+    """Median ``Gefen.step()`` of one flat fp32 CPU tensor of ``numel`` elements outside
+    DeepSpeed, in the same process: tells the optimizer's own cost from the engine's."""
+    p = torch.nn.Parameter(torch.zeros(numel))
+    opt = Gefen([p], lr=LR, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(STEPS):
+        p.grad = torch.randn(numel, generator=gen)
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times[WARMUP:])
+
+
 def _timing_worker(rank: int, world: int) -> dict:
     data = batches(STEPS, batch=BATCH, seq=MODEL_KW["seq"], seed=11)
-    return {name: _run(name, data) for name in OPTIMIZERS}
+    out = {name: _run(name, data) for name in OPTIMIZERS}
+    out["gefen_direct_step_ms"] = _direct_step_ms(out["gefen"]["params"])
+    out["cpu_step_status"] = cpu_step_status()
+    out["torch_threads"] = torch.get_num_threads()
+    return out
 
 
 @pytest.mark.gpu
@@ -117,12 +137,14 @@ def test_zero2_offload_step_time_against_deepspeed_cpu_adam():
         "device": torch.cuda.get_device_name(0),
         "host_cpus": os.cpu_count(),
         "host_processor": platform.processor() or platform.machine(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": res["torch_threads"],
+        "cpu_step_status": res["cpu_step_status"],
+        "gefen_direct_step_ms_median": res["gefen_direct_step_ms"],
         "versions": {"torch": torch.__version__, "deepspeed": _version("deepspeed"),
                      "python": platform.python_version()},
         "model": {**MODEL_KW, "params": gefen["params"]}, "batch": BATCH, "steps": STEPS,
         "warmup": WARMUP, "lr": LR,
-        "optimizers": res,
+        "optimizers": {name: res[name] for name in OPTIMIZERS},
         "ratio_optimizer_step": gefen["optimizer_step_ms_median"]
         / adam["optimizer_step_ms_median"],
         "ratio_engine_step": gefen["engine_step_ms_median"] / adam["engine_step_ms_median"],
@@ -134,6 +156,9 @@ def test_zero2_offload_step_time_against_deepspeed_cpu_adam():
               f"{r['engine_step_ms_median']:15.1f}  {r['losses'][-1]:.4f}")
     print(f"Gefen / DeepSpeed CPU Adam: opt.step {report['ratio_optimizer_step']:.2f}x, "
           f"engine.step {report['ratio_engine_step']:.2f}x ({gefen['params']:,} parameters)")
+    print(f"Gefen.step() of one flat CPU tensor of that size outside DeepSpeed: "
+          f"{res['gefen_direct_step_ms']:.1f} ms; CPU step: {res['cpu_step_status']}; "
+          f"{res['torch_threads']} torch threads")
     path = os.environ.get("GEFEN_OFFLOAD_TIME_JSON")
     if path:
         with open(path, "w", encoding="utf-8") as fh:

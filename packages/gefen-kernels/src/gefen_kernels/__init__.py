@@ -38,6 +38,7 @@ from .ops import (
     sr_uniform_reference,
     step_scalars,
 )
+from .ops._cpu_native import status as cpu_step_status
 from .ops.period_scores import (
     multi_period_scores,
     multi_period_scores_reference,
@@ -52,6 +53,7 @@ KERNEL_API_VERSION = 1
 
 __all__ = [
     "FusedStepRecord",
+    "cpu_step_status",
     "KERNEL_API_VERSION",
     "StepScalars",
     "__version__",

@@ -184,6 +184,9 @@ def library() -> ctypes.CDLL | None:
 
 
 def status() -> str:
-    """``"native"`` when the native CPU step is in use, else why not (builds it first)."""
+    """``"native"`` when CPU tensors step through the native CPU step, else why they take the
+    PyTorch references (no compiler, a failed build, ``GEFEN_CPU_STEP=reference``). Builds
+    the library first if this process has not. Public as ``gefen_kernels.cpu_step_status``:
+    the first thing to check when a CPU or offloaded step is slow."""
     library()
     return str(_state["reason"])

@@ -314,3 +314,34 @@ def test_digits_splits_file_round_trip(tmp_path) -> None:
     torch.save({"x_train": torch.zeros(1)}, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="does not hold digits splits"):
         load_digits_splits(tmp_path / "bad.pt")
+
+
+def test_memory_meter_has_no_steady_peak_on_cpu() -> None:
+    from gefen_bench.measure import MemoryMeter
+
+    meter = MemoryMeter(torch.device("cpu"))
+    meter.start()
+    meter.mark_steady()
+    out = meter.stop()
+    assert out["steady_peak_bytes"] is None and out["peak_bytes"] >= out["peak_over_start_bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_meter_steady_peak_excludes_the_first_step() -> None:
+    """The steady peak is what the steps after mark_steady() allocate; the peak is the whole
+    region's."""
+    from gefen_bench.measure import MemoryMeter
+
+    device = torch.device("cuda")
+    base = torch.cuda.memory_allocated(device)
+    meter = MemoryMeter(device)
+    meter.start()
+    first = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    del first
+    meter.mark_steady()
+    later = torch.empty(16 << 20, dtype=torch.uint8, device=device)
+    out = meter.stop()
+    del later
+    assert out["peak_over_start_bytes"] >= 64 << 20
+    assert 16 << 20 <= out["steady_peak_bytes"] - base < 64 << 20

@@ -44,11 +44,18 @@ def peak_rss_bytes() -> int:
 
 
 class MemoryMeter:
-    """Peak memory over a region on ``device``; :meth:`stop` returns a dict of bytes."""
+    """Peak memory over a region on ``device``; :meth:`stop` returns a dict of bytes.
+
+    On CUDA, :meth:`mark_steady` (called once, after the first training step) splits the
+    region: ``steady_peak_bytes`` is the peak after it, the memory of the steps that repeat.
+    The first step can peak higher than the rest (an optimizer that allocates its state then,
+    or one that steps in backward but keeps every gradient for its first step).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._start = 0
+        self._first_peak: int | None = None
 
     def start(self) -> None:
         if self.device.type == "cuda":
@@ -58,15 +65,24 @@ class MemoryMeter:
         else:
             self._start = current_rss_bytes()
 
+    def mark_steady(self) -> None:
+        """The steps from here on are the steady ones (CUDA; a no-op on the CPU)."""
+        if self.device.type == "cuda" and self._first_peak is None:
+            torch.cuda.synchronize(self.device)
+            self._first_peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def stop(self) -> dict[str, Any]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
+            later = torch.cuda.max_memory_allocated(self.device)
+            peak = max(later, self._first_peak or 0)
+            steady = later if self._first_peak is not None else None
             return {"peak_bytes": peak, "peak_over_start_bytes": peak - self._start,
-                    "method": CUDA_METHOD}
+                    "steady_peak_bytes": steady, "method": CUDA_METHOD}
         peak = peak_rss_bytes()
         return {"peak_bytes": peak, "peak_over_start_bytes": max(0, peak - self._start),
-                "method": CPU_METHOD}
+                "steady_peak_bytes": None, "method": CPU_METHOD}
 
 
 def synchronize(device: torch.device) -> None:

@@ -119,11 +119,12 @@ def print_tables(results: dict[str, dict[str, Any]], skipped: dict[str, str],
                  None if not ref else f"{100 * (r['final_eval_loss'] / ref - 1):+.2f}%",
                  f"{r['tokens_per_s']:.0f}", r["optimizer_step_ms_median"],
                  mib(r["memory"]["peak_bytes"]), mib(r["memory"]["peak_over_start_bytes"]),
+                 mib(r["memory"].get("steady_peak_bytes")),
                  r["state"]["bytes_per_param"]] for n, r in lm.items()]
         print_table("byte-level LM on stdlib sources (held-out split; loss: mean over seeds)",
                     ["optimizer", "lr", "held-out loss", "seeds (spread)", "vs AdamW",
                      "tokens/s", "opt.step ms", "peak MiB", "peak over start MiB",
-                     "state B/param"], rows)
+                     "steady peak MiB", "state B/param"], rows)
     digits = results.get("digits", {})
     if digits:
         rows = [[n, f"{r['lr']:.3g}",

@@ -72,7 +72,7 @@ def test_unknown_optimizer_lists_the_available_ones(capsys: pytest.CaptureFixtur
 def test_every_subcommand_is_registered() -> None:
     parser, modules, _ = cli.build_parser()
     assert set(modules) == {"train", "arch", "step", "memory", "codebook",
-                            "resume", "profile", "fit"}
+                            "resume", "profile", "fit", "digest"}
     assert parser.parse_args(["train"]).command == "train"
 
 

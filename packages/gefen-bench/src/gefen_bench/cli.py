@@ -9,6 +9,7 @@ Subcommands:
   profile   per-kernel device time of one Gefen step, and the state census
   resume    Trainer-resume gate (docs/algorithm.md#distributed)
   fit       the largest Llama-shaped model each optimizer can train on this device
+  digest    bit-exact fingerprints of Gefen's results, to compare two source trees
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> dict``.
 Invalid options exit with status 2 and a message naming the option and the fix.
@@ -34,6 +35,7 @@ SUBCOMMANDS = {
     "profile": ("profile_step", "per-kernel time of a Gefen step on GPT-2/Llama-3.2-1B shapes"),
     "resume": ("resume", "Trainer-resume gate: interrupted + resumed == uninterrupted"),
     "fit": ("fit", "the largest Llama-shaped model each optimizer can train on this device"),
+    "digest": ("digest", "bit-exact fingerprints of Gefen's results, to compare source trees"),
 }
 
 

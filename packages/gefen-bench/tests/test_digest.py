@@ -147,3 +147,35 @@ def test_compare_refuses_a_file_that_is_not_a_digest(
     other = _write(tmp_path / "step.json", {"schema": "gefen-bench/step/1"})
     code, out = _run(capsys, ["digest", "--compare", str(baseline), str(other)])
     assert code == 2 and "not a digest JSON" in out
+
+
+def test_source_commit_only_for_files_git_tracks(tmp_path, monkeypatch) -> None:
+    """A package that git tracks gets its checkout's commit; a copy that git does not track
+    inside that checkout (e.g. a ``git archive`` of another commit) gets none, not the
+    enclosing checkout's."""
+    import shutil
+    import subprocess
+    import sys
+
+    from gefen_bench.digest import _source
+
+    if shutil.which("git") is None:
+        pytest.fail("git is needed to build the checkout this test inspects")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    for name in ("tracked_pkg_for_digest", "untracked_pkg_for_digest"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    git("init", "-q")
+    git("add", "tracked_pkg_for_digest")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "t")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert _source("tracked_pkg_for_digest")["commit"] == git("rev-parse", "HEAD")
+        assert _source("untracked_pkg_for_digest")["commit"] is None
+    finally:
+        for name in ("tracked_pkg_for_digest", "untracked_pkg_for_digest"):
+            sys.modules.pop(name, None)

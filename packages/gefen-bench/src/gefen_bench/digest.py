@@ -131,11 +131,16 @@ def run_case(shapes: Shapes, grads: list[list[torch.Tensor]], route: str, roundi
 
 def _source(module_name: str) -> dict[str, str | None]:
     """Directory of an imported package and its tree's commit, ``-dirty`` appended when tracked
-    files differ from it (``None`` outside a git checkout)."""
+    files differ from it; ``None`` outside a git checkout or where git does not track the
+    package's files (a copy, e.g. from ``git archive``, inside another checkout)."""
     import importlib
 
     path = str(Path(importlib.import_module(module_name).__file__ or "").parent)
     try:
+        tracked = subprocess.run(["git", "-C", path, "ls-files", "--error-unmatch", "."],
+                                 capture_output=True, text=True, timeout=10)
+        if tracked.returncode != 0:
+            return {"path": path, "commit": None}
         done = subprocess.run(["git", "-C", path, "describe", "--always", "--dirty",
                                "--abbrev=40"], capture_output=True, text=True, timeout=10)
         return {"path": path, "commit": done.stdout.strip() if done.returncode == 0 else None}

@@ -6,8 +6,8 @@ step over tensor lists); :class:`GefenMuon` (Muon with Gefen's quantized momentu
 :class:`GefenMuonHybrid` (Muon for hidden matrices, Gefen or AdamW for the rest), with
 :func:`split_params_for_muon` / :func:`validate_split` for the routing;
 :func:`step_in_backward` steps Gefen inside the backward pass, releasing each gradient at
-once. The fused per-tensor ops come from ``gefen_kernels``, whose ``KERNEL_API_VERSION`` is
-checked here at import.
+once; :func:`warm_up` compiles a model's step kernels ahead of a job. The fused per-tensor
+ops come from ``gefen_kernels``, whose ``KERNEL_API_VERSION`` is checked here at import.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from .hybrid import GefenMuonHybrid  # noqa: E402
 from .muon import GefenMuon  # noqa: E402
 from .optimizer import Gefen  # noqa: E402
 from .routing import split_params_for_muon, validate_split  # noqa: E402
+from .warm_up import warm_up  # noqa: E402
 
 __all__ = [
     "KERNEL_API_RANGE",
@@ -52,4 +53,5 @@ __all__ = [
     "split_params_for_muon",
     "step_in_backward",
     "validate_split",
+    "warm_up",
 ]

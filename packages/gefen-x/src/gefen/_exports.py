@@ -30,6 +30,7 @@ EXPORTS: Final[dict[str, tuple[str, str | None]]] = {
     "validate_split": ("gefen_core", None),
     "step_in_backward": ("gefen_core", None),
     "BackwardStep": ("gefen_core", None),
+    "warm_up": ("gefen_core", None),
     # gefen-dist: engines and distributed checkpoints.
     "ShardedGefen": ("gefen_dist", "dist"),
     "ShardedGefenMuon": ("gefen_dist", "dist"),

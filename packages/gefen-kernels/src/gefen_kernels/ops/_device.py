@@ -69,8 +69,9 @@ def transient_tables() -> Iterator[None]:
     ``torch.compile(mode="reduce-overhead")`` the step's warm-up and recording allocate from
     the CUDA-graph trees' private pool, which refuses any tensor that outlives the recorded
     call ("tensors in the cudagraph pool not tracked as outputs"). A step that finds no kept
-    table takes the per-tensor launches, which give the grouped launches' bits. Nests; applies
-    to the current thread.
+    table builds one for the call; inside a CUDA-graph capture, where none can be built, it
+    takes the per-tensor launches, which give the grouped launches' bits. Nests; applies to
+    the current thread.
     """
     depth = getattr(_TRANSIENT, "depth", 0)
     _TRANSIENT.depth = depth + 1

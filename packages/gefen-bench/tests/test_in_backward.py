@@ -76,3 +76,32 @@ def test_train_grad_clip_override_reaches_the_lm_config() -> None:
     assert train._task_config(PRESETS["tiny"], "lm", args)["grad_clip"] == 0.0
     args = parser.parse_args(["--preset", "tiny"])
     assert train._task_config(PRESETS["tiny"], "lm", args)["grad_clip"] == 1.0
+
+
+def test_train_checkpointing_override_reaches_the_lm_config() -> None:
+    import argparse
+
+    from gefen_bench import train
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(["--preset", "tiny", "--checkpointing"])
+    assert train._task_config(PRESETS["tiny"], "lm", args)["checkpointing"] is True
+    args = parser.parse_args(["--preset", "tiny"])
+    assert train._task_config(PRESETS["tiny"], "lm", args)["checkpointing"] is False
+
+
+def test_lm_training_with_checkpointing_recomputes_the_same_gradients() -> None:
+    # Recomputed activations are the saved ones on the CPU, so the runs agree to the bit, in
+    # backward too.
+    runs = {}
+    for name, checkpointing in (("gefen", False), ("gefen", True), ("gefen-in-backward", True)):
+        cfg = dataclasses.replace(PRESETS["tiny"].lm, grad_clip=0.0, steps=4, eval_every=2,
+                                  checkpointing=checkpointing)
+        job = {"optimizer": name, "lr": 3e-3, "config": dataclasses.asdict(cfg),
+               "device": "cpu", "seed": 0, "data_seed": 1}
+        runs[name, checkpointing] = run_lm_job(job, lambda event: None)
+    plain, ckpt = runs["gefen", False], runs["gefen", True]
+    assert ckpt["train_loss"] == plain["train_loss"]
+    assert runs["gefen-in-backward", True]["train_loss"] == plain["train_loss"]
+    assert ckpt["final_eval_loss"] == plain["final_eval_loss"]

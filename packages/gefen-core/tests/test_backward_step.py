@@ -133,7 +133,7 @@ def _smallest_of_each_group(params: list[torch.Tensor], opt) -> set[int]:  # noq
 def _train(modes: str, options: dict, *, steps: int = 20, switch_at: int = 10,
            tie: bool = False, hybrid: bool = False, accumulate: int = 1,
            clip_per_param: float | None = None, device: str = "cpu",
-           dtype: torch.dtype = torch.float32):
+           dtype: torch.dtype = torch.float32, offload: bool | None = None):
     """``modes``: two letters, the stepping before and after a save/load at ``switch_at``
     (``n`` normal, ``b`` in backward). Returns losses, parameters and the final state_dict."""
     model, opt, sched = _build(options, tie=tie, hybrid=hybrid, device=device, dtype=dtype)
@@ -156,7 +156,8 @@ def _train(modes: str, options: dict, *, steps: int = 20, switch_at: int = 10,
             opt.load_state_dict(saved["opt"])
             sched.load_state_dict(saved["sched"])
         if mode == "b" and handle is None:
-            handle = step_in_backward(model, opt, max_grad_norm_per_param=clip_per_param)
+            handle = step_in_backward(model, opt, max_grad_norm_per_param=clip_per_param,
+                                      offload_first_step=offload)
         gefen = opt.backup if isinstance(opt, GefenMuonHybrid) else opt
         before = {id(p): _step_count(gefen, p) for p in model.parameters()}
         for m in range(accumulate):
@@ -169,7 +170,15 @@ def _train(modes: str, options: dict, *, steps: int = 20, switch_at: int = 10,
                 loss.backward()
         every = options.get("codebook_refresh_every", 0)
         full = i in (0, switch_at) or (every and i % every == 0)  # full steps keep gradients
-        if mode == "b" and handle is not None and not full:
+        offloaded = i == 0 and (device != "cpu" if offload is None else offload)
+        if mode == "b" and handle is not None and offloaded:
+            # The codebook-learning step moved every hooked gradient off its parameter but
+            # the kept ones; all of them step in optimizer.step().
+            kept = _smallest_of_each_group(handle.params, opt)
+            for p in handle.params:
+                assert (p.grad is not None) == (id(p) in kept)
+                assert _step_count(gefen, p) is None
+        elif mode == "b" and handle is not None and not full:
             # Stepped in backward: every hooked gradient released, every parameter moved
             # before optimizer.step(), but the smallest hooked parameter of each group, which
             # keeps its gradient for optimizer.step().
@@ -218,6 +227,59 @@ def test_in_backward_is_bit_identical_to_normal_stepping_across_checkpoints(kind
     assert ("exp_avg_sq_row" in keys) == options["factored_v_2d"]
 
 
+@pytest.mark.parametrize("kind", sorted(OPTIONS))
+def test_offloaded_first_step_is_bit_identical_to_the_full_step(kind: str) -> None:
+    options = OPTIONS[kind]
+    reference = _train("nn", options, steps=6, switch_at=3)
+    for modes in ("bb", "bn"):
+        got = _train(modes, options, steps=6, switch_at=3, offload=True)
+        _same(got, reference, modes)
+
+
+def test_offloaded_first_step_with_a_nonfinite_gradient_skips_like_the_full_step() -> None:
+    runs = []
+    for offload in (None, True):
+        model, opt, _ = _build(OPTIONS["block-nearest"])
+        handle = step_in_backward(model, opt, offload_first_step=offload) if offload else None
+        loss = _loss(model, _batch(0))
+        # A non-finite gradient half-way through the backward: the hooks have already moved
+        # the gradients before it.
+        model.layers[0].up_proj.weight.register_hook(lambda g: g * float("nan"))
+        loss.backward()
+        seen: list[list[torch.Tensor]] = []
+        # Registered after the handle's: sees what Gefen's step gets.
+        params = list(model.parameters())
+
+        def record(*_, seen=seen, params=params) -> None:
+            seen.append([p.grad.clone() for p in params])
+
+        opt.register_step_pre_hook(record)
+        with pytest.warns(RuntimeWarning, match="non-finite gradients on the step that would "
+                                                "learn the codebook"):
+            opt.step()
+        assert opt._codebook is None and opt._global_step == 0 and not opt.state
+        runs.append(seen[0])
+        if handle is not None:
+            handle.remove()
+    assert len(runs[1]) == len(runs[0])
+    for got, want in zip(runs[1], runs[0]):  # the same bits, NaNs included
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_remove_before_step_hands_offloaded_gradients_back() -> None:
+    model, opt, _ = _build(OPTIONS["block-nearest"])
+    reference, ref_opt, _ = _build(OPTIONS["block-nearest"])
+    handle = step_in_backward(model, opt, offload_first_step=True)
+    for m in (model, reference):
+        _loss(m, _batch(0)).backward()
+    assert sum(p.grad is not None for p in model.parameters()) < len(list(model.parameters()))
+    handle.remove()
+    _same([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
+    opt.step()
+    ref_opt.step()
+    _same(opt.state_dict(), ref_opt.state_dict())
+
+
 def test_tied_embedding_steps_once_per_backward() -> None:
     options = OPTIONS["factored-stochastic"]
     reference = _train("nn", options, steps=8, switch_at=4, tie=True)
@@ -250,6 +312,8 @@ def test_hybrid_gefen_backup_steps_in_backward() -> None:
     options = dict(stochastic_round=True)
     reference = _train("nn", options, steps=6, switch_at=3, hybrid=True)
     _same(_train("bb", options, steps=6, switch_at=3, hybrid=True), reference)
+    _same(_train("bb", options, steps=6, switch_at=3, hybrid=True, offload=True), reference,
+          "offloaded first step")
     model, opt, _ = _build(options, hybrid=True)
     handle = step_in_backward(model, opt)
     backup = {id(p) for p in handle.params}
@@ -264,11 +328,13 @@ def test_hybrid_gefen_backup_steps_in_backward() -> None:
         opt.zero_grad()
 
 
-def test_a_parameter_outside_the_hooks_steps_in_optimizer_step() -> None:
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_parameter_outside_the_hooks_steps_in_optimizer_step(offload: bool) -> None:
+    # Offloaded, the first step's codebook also counts the unhooked gradients.
     options = OPTIONS["block-nearest"]
     model, opt, _ = _build(options)
     twin, twin_opt, _ = _build(options)
-    step_in_backward([model.lm_head.weight, model.norm.weight], opt)
+    step_in_backward([model.lm_head.weight, model.norm.weight], opt, offload_first_step=offload)
     for i in range(4):
         for m, o in ((model, opt), (twin, twin_opt)):
             _loss(m, _batch(i)).backward()

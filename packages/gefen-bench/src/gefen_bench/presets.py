@@ -37,6 +37,8 @@ class LMConfig:
     warmup_frac: float = 0.05
     final_lr_frac: float = 0.1
     grad_clip: float = 1.0
+    # Activation checkpointing of every decoder layer (recomputed in backward, non-reentrant).
+    checkpointing: bool = False
     param_dtype: str = "float32"
     autocast_bf16: bool = False
     max_train_bytes: int | None = None

@@ -144,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
                         help="override the LM global gradient-norm clip (0 = none; optimizers "
                              "that step in backward never clip globally)")
+    parser.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                        help="override the LM's activation checkpointing of every decoder "
+                             "layer (default: the preset's, off in every preset)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="override the epoch count of both digits tasks")
     parser.add_argument("--seed", type=int, default=0, help="LM model-initialisation seed")
@@ -213,7 +216,8 @@ def _task_config(preset: Preset, task: str, args: argparse.Namespace) -> dict[st
     if task == "lm":
         return as_dict(with_overrides(preset.lm, steps=args.steps,
                                       sweep_steps=getattr(args, "sweep_steps", None),
-                                      grad_clip=getattr(args, "grad_clip", None)))
+                                      grad_clip=getattr(args, "grad_clip", None),
+                                      checkpointing=getattr(args, "checkpointing", None)))
     cfg = _preset_config(preset, task)
     assert cfg is not None
     return as_dict(with_overrides(cfg, epochs=args.epochs))

@@ -68,6 +68,8 @@ def run_lm_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
 
     torch.manual_seed(int(job.get("seed", 0)))
     model = byte_llama(cfg).to(device=device, dtype=_DTYPES[cfg.param_dtype])
+    if cfg.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
 
@@ -140,6 +142,8 @@ def run_lm_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
         "final_eval_tokens": cfg.final_eval_windows * cfg.seq_len,
         "tokens_per_s": tokens * len(steady) / sum(steady),
         "first_step_ms": step_s[0] * 1e3,
+        # Every step's wall time, so that one slow step shows apart from a slow steady state.
+        "step_ms": [round(v * 1e3, 3) for v in step_s],
         "optimizer_step_ms_median": sorted(opt_step_s)[len(opt_step_s) // 2] * 1e3,
         "memory": memory,
         "state": state,

@@ -13,10 +13,14 @@ between the two.
 
 The handle's first step, a step that learns or refreshes the codebook, and a parameter's first
 step (its period search) are full steps: the hooks keep those gradients and ``opt.step()`` does
-what it always does, then the handle releases them. On every other step the smallest hooked
-parameter of each param group keeps its gradient for ``opt.step()`` as well, so that gradient
-processing between ``backward`` and ``opt.step()`` that starts on a later step (global-norm
-clipping, which would find no other gradient) changes a gradient the handle watches.
+what it always does, then the handle releases them. The step that learns the codebook may
+offload instead (``offload_first_step``): each hook takes its parameter's period and histogram,
+moves the gradient to host memory and releases it; before ``opt.step()`` the handle learns the
+codebook from all the histograms and steps those parameters one gradient at a time. On every
+other step the smallest hooked parameter of each param group keeps its gradient for
+``opt.step()`` as well, so that gradient processing between ``backward`` and ``opt.step()``
+that starts on a later step (global-norm clipping, which would find no other gradient)
+changes a gradient the handle watches.
 """
 
 from __future__ import annotations
@@ -32,8 +36,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from gefen_kernels.ops import histogram_sum
+
 from . import _compiled_step
 from . import dispatch as _dispatch
+from . import nonfinite as _nonfinite
+from .codebook import optimal_codebook
 from .optimizer import Gefen
 
 __all__ = ["BackwardStep", "step_in_backward"]
@@ -44,7 +52,8 @@ _GROUP_SKIP = ("params", "param_names", "param_names_synthesized")
 
 
 def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: Any, *,
-                     max_grad_norm_per_param: float | None = None) -> BackwardStep:
+                     max_grad_norm_per_param: float | None = None,
+                     offload_first_step: bool | None = None) -> BackwardStep:
     r"""Step ``optimizer`` during ``backward``, one parameter at a time, releasing each gradient
     as soon as its parameter is updated (docs/algorithm.md#step-in-backward).
 
@@ -56,7 +65,8 @@ def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: A
     checkpoint of either mode resumes in the other. Peak memory drops by up to the gradients'
     bytes (2 bytes per parameter in bf16): each gradient lives from its accumulation to its
     parameter's update. The handle's first step, steps that learn or refresh the codebook and
-    each parameter's first step are full steps (gradients kept until ``optimizer.step()``).
+    each parameter's first step are full steps (gradients kept until ``optimizer.step()``),
+    except the codebook-learning step under ``offload_first_step``.
     On the other steps every hooked gradient is ``None`` after ``backward`` but that of the
     smallest hooked parameter (fewest elements) of each param group, kept until
     ``optimizer.step()`` steps it: the handle watches it for gradient processing between the
@@ -77,6 +87,15 @@ def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: A
             no host sync) before its step; the in-backward replacement of global-norm
             clipping, which needs every gradient before the first update. ``None``: no
             clipping (default: None).
+        offload_first_step (bool, optional): on the step that learns the codebook, move
+            each hooked gradient to host memory (pinned, for CUDA gradients) as soon as its
+            hook has taken its period and histogram, then learn the codebook in
+            ``optimizer.step()`` and step the parameters one at a time, each gradient copied
+            back and released after its update. The device then never holds more than one
+            such gradient, so the first step's peak is the steady steps' peak; it costs
+            2 bytes of host memory per bf16 parameter for that step and three host syncs per
+            parameter in its backward. The bits are those of the full step.
+            ``None``: on when the hooked parameters are on a CUDA device (default: None).
 
     Returns:
         BackwardStep: the handle; ``remove()`` (or leaving its ``with`` block) takes every hook
@@ -84,7 +103,8 @@ def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: A
 
     Raises:
         TypeError: ``optimizer`` is not Gefen or a hybrid with a Gefen backup (GefenMuon alone,
-            an AdamW backup, another optimizer); a parameter that is not a tensor.
+            an AdamW backup, another optimizer); a parameter that is not a tensor; an
+            ``offload_first_step`` that is not ``True``, ``False`` or ``None``.
         ValueError, before any hook is registered, for what cannot step in backward:
             ``skip_nonfinite`` (needs every gradient before the first update); ``capturable``
             groups (nothing is left for a captured ``step()``); fp16 parameters (GradScaler
@@ -113,14 +133,16 @@ def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: A
             activation checkpointing around both uses) raises at its second accumulation.
     """
     return BackwardStep(model_or_params, optimizer,
-                        max_grad_norm_per_param=max_grad_norm_per_param)
+                        max_grad_norm_per_param=max_grad_norm_per_param,
+                        offload_first_step=offload_first_step)
 
 
 class BackwardStep:
     """The hooks of :func:`step_in_backward`; see there. A context manager that removes them."""
 
     def __init__(self, model_or_params: nn.Module | Iterable[Tensor], optimizer: Any, *,
-                 max_grad_norm_per_param: float | None = None) -> None:
+                 max_grad_norm_per_param: float | None = None,
+                 offload_first_step: bool | None = None) -> None:
         target = _gefen_of(optimizer)
         _refuse_options(target)
         norm = max_grad_norm_per_param
@@ -128,6 +150,9 @@ class BackwardStep:
                                  or not math.isfinite(norm) or norm <= 0):
             raise ValueError("step_in_backward: max_grad_norm_per_param must be a finite number "
                              f"> 0 or None, got {norm!r}")
+        if offload_first_step is not None and not isinstance(offload_first_step, bool):
+            raise TypeError("step_in_backward: offload_first_step must be True, False or None, "
+                            f"got {offload_first_step!r}")
         module = model_or_params if isinstance(model_or_params, nn.Module) else None
         params = _hooked_params(model_or_params, target)
         if target in _HANDLES:
@@ -137,6 +162,10 @@ class BackwardStep:
         self._target = target
         self._max_norm = None if norm is None else float(norm)
         self._params = params
+        self._offload = (any(p.is_cuda for p in params) if offload_first_step is None
+                         else offload_first_step)
+        self._learning = False  # this backward's step learns the codebook from offloads
+        self._offloaded = _Offloaded()
         self._no_step_depth = 0
         self._first = True  # the handle's first step is a full step
         self._open = False  # a backward has run since the last optimizer.step()
@@ -172,6 +201,8 @@ class BackwardStep:
         for h in self._handles:
             h.remove()
         self._handles = []
+        # optimizer.step() without the hooks needs the offloaded gradients back.
+        self._offloaded.restore()
         if _HANDLES.get(self._target) is self:
             del _HANDLES[self._target]
 
@@ -201,6 +232,7 @@ class BackwardStep:
         every = opt._codebook_refresh_every
         refresh = every > 0 and opt._global_step > 0 and opt._global_step % every == 0
         self._deferred = self._first or opt._codebook is None or refresh
+        self._learning = self._offload and opt._codebook is None
         self._snapshot = _hyperparameters(opt.param_groups)
         self._checked = False
         self._open = True
@@ -230,6 +262,9 @@ class BackwardStep:
             torch.nn.utils.clip_grad_norm_(p, self._max_norm, foreach=False)
         g = p.grad
         entry = self._entries.get(key)
+        if (self._learning and entry is not None and key not in self._watched
+                and self._offload_gradient(p, g, entry)):
+            return
         if (self._deferred or entry is None or key in self._watched
                 or "period" not in self._target.state.get(p, {})):
             # Kept for optimizer.step(), with what shows a change before it: the version
@@ -245,6 +280,61 @@ class BackwardStep:
         with torch.no_grad():
             self._target._step_group(group, self._target._init_group(group, [(p, g, name)], {}))
         p.grad = None
+
+    def _offload_gradient(self, p: Tensor, g: Tensor, entry: tuple[dict[str, Any], Tensor, str]
+                          ) -> bool:
+        """On the step that learns the codebook: take ``p``'s period and histogram from ``g``,
+        move ``g`` to host memory and release it; ``False`` (``g`` is kept for
+        ``optimizer.step()``) for a gradient the full step would refuse or skip, after which the
+        whole step is handed back to ``optimizer.step()``."""
+        opt = self._target
+        group, _, name = entry
+        if not _fits(p, g) or _dispatch.local_numel(p) == 0 \
+                or not _nonfinite.all_finite([g]):
+            # optimizer.step() raises, or warns and skips, as it would without the handle.
+            self._learning = False
+            return False
+        stored = opt.state[p].get("period") if p in opt.state else None
+        period = int(stored) if stored is not None else opt._select_periods(
+            [(p, g, name, group)])[0]
+        counts = histogram_sum([g], [period], reference=[_reference_path(opt, p, group)])
+        self._offloaded.add(p, g, period, counts)
+        p.grad = None
+        return True
+
+    def _step_offloaded(self) -> None:
+        """docs/algorithm.md#step-in-backward: the codebook from the offloaded gradients'
+        histograms and those of the gradients still held, then each offloaded parameter's
+        first update, one gradient on the device at a time. ``optimizer.step()`` then steps
+        the held gradients with that codebook, as the full step would have."""
+        off = self._offloaded
+        if not off.items:
+            return
+        opt = self._target
+        if not self._learning:
+            off.restore()
+            return
+        rest = [e for e in opt._preflight() if _dispatch.local_numel(e[1]) > 0]
+        if not opt._all_finite([g for _, _, g, _ in rest]):
+            off.restore()
+            return
+        unknown = [(p, g, name, group) for group, p, g, name in rest
+                   if "period" not in opt.state.get(p, {})]
+        found = dict(zip([e[0] for e in unknown], opt._select_periods(unknown)))
+        counts = off.counts
+        if rest:
+            counts = counts + histogram_sum(
+                [g for _, _, g, _ in rest],
+                [int(opt.state[p]["period"]) if p not in found else found[p]
+                 for _, p, _, _ in rest],
+                reference=[_reference_path(opt, p, group) for group, p, _, _ in rest])
+        opt._codebook = optimal_codebook(opt._reduce_histogram(counts),
+                                         device=opt._anchor_device())
+        opt._codebook_cache = {}
+        with torch.no_grad():
+            for p, g, period in off.drain():
+                group, _, name = self._entries[id(p)]
+                opt._step_group(group, opt._init_group(group, [(p, g, name)], {p: period}))
 
     def _before_step(self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # torch passes step()'s positional arguments with the optimizer first.
@@ -273,6 +363,7 @@ class BackwardStep:
                 "between backward and optimizer.step(); parameters step in backward with the "
                 "values set before it, so change them before backward (a scheduler's step() "
                 "after optimizer.step() is right)")
+        self._step_offloaded()
 
     def _refuse_changed_gradients(self) -> None:
         p = self._changed_gradient()
@@ -316,6 +407,8 @@ class BackwardStep:
         for p, *_ in self._kept.values():
             p.grad = None
         self._kept.clear()
+        self._offloaded.items.clear()  # kept only if step() raised before _step_offloaded
+        self._learning = False
         self._seen.clear()
         self._entries = {}
         self._open = False
@@ -467,6 +560,59 @@ def _hooked_params(model_or_params: nn.Module | Iterable[Tensor], opt: Gefen) ->
                 "step the scaler skips cannot be undone once parameters have stepped in "
                 "backward; use bf16 or fp32 parameters")
     return params
+
+
+class _Offloaded:
+    """Gradients of the codebook-learning step moved off the device, in hook order, with their
+    periods and the sum of their histograms (int64 ``[4097]``, CPU)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Tensor, Tensor, int, Any]] = []
+        self.counts: Tensor | None = None
+
+    def add(self, p: Tensor, g: Tensor, period: int, counts: Tensor) -> None:
+        event = None
+        if g.is_cuda:
+            host = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+            host.copy_(g, non_blocking=True)
+            # The copy reads g after the hook returns and frees it: keep its memory from reuse
+            # on another stream until then, and let the upload wait for the copy.
+            stream = torch.cuda.current_stream(g.device)
+            g.record_stream(stream)
+            event = stream.record_event()
+        else:
+            host = g  # already in host memory: released from the parameter, not copied
+        self.items.append((p, host, period, event))
+        self.counts = counts if self.counts is None else self.counts + counts
+
+    def _upload(self, p: Tensor, host: Tensor, event: Any) -> Tensor:
+        if event is None:
+            return host
+        torch.cuda.current_stream(p.device).wait_event(event)
+        return host.to(p.device, non_blocking=True)
+
+    def drain(self) -> Iterator[tuple[Tensor, Tensor, int]]:
+        """Each offloaded ``(param, gradient on its device, period)``, released as it goes."""
+        items, self.items, self.counts = self.items, [], None
+        for p, host, period, event in items:
+            yield p, self._upload(p, host, event), period
+
+    def restore(self) -> None:
+        """Put every offloaded gradient back on its parameter."""
+        for p, g, _ in self.drain():
+            p.grad = g
+
+
+def _reference_path(opt: Gefen, p: Tensor, group: dict[str, Any]) -> bool:
+    """Whether the full step bins ``p``'s gradient on the PyTorch path (as :meth:`Gefen._learn`)."""
+    return _dispatch.choose_path(p, group, deterministic=opt._deterministic,
+                                 sharded_factored=opt._reduces_factored_stats) != "fused"
+
+
+def _fits(p: Tensor, g: Tensor) -> bool:
+    """Whether :func:`_check_grad` passes."""
+    return (g.layout is torch.strided and g.shape == p.shape and g.device == p.device
+            and g.is_floating_point() and not g.is_complex())
 
 
 def _check_grad(p: Tensor, g: Tensor, name: str) -> None:

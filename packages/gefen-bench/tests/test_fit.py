@@ -91,13 +91,17 @@ def test_steps_in_backward_entries_are_refused_by_plain_step_commands() -> None:
     assert registry.availability("gefen", plain_step=True) is None
 
 
-def test_fit_cli_on_an_accounted_cpu_budget(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_fit_cli_on_an_accounted_cpu_budget(tmp_path: Path, capsys, jobs: int) -> None:
     budget_gib = 0.012
+    # The ratio to AdamW comes from the same invocation, whichever search finishes first.
     code = cli.main(["fit", "--device", "cpu", "--budget-gib", str(budget_gib), "--vocab",
                      "256", "--batch", "2", "--seq-len", "16", "--max-size", "8",
-                     "--start", "3", "--optimizers", "adamw,gefen", "--out", str(tmp_path)])
+                     "--start", "3", "--optimizers", "gefen,adamw", "--jobs", str(jobs),
+                     "--out", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "fit.json").read_text())
+    assert list(report["results"]) == ["gefen", "adamw"] and report["setup"]["jobs"] == jobs
     assert report["complete"] is True and report["schema"] == "gefen-bench/fit/1"
     budget = int(budget_gib * 2**30)
     for name in ("adamw", "gefen"):

@@ -345,3 +345,31 @@ def test_memory_meter_steady_peak_excludes_the_first_step() -> None:
     del later
     assert out["peak_over_start_bytes"] >= 64 << 20
     assert 16 << 20 <= out["steady_peak_bytes"] - base < 64 << 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_meter_leaves_paused_regions_out_of_both_peaks() -> None:
+    """What runs inside paused() (evaluation) counts in neither peak; what ran before a pause
+    still does."""
+    from gefen_bench.measure import MemoryMeter
+
+    device = torch.device("cuda")
+    base = torch.cuda.memory_allocated(device)
+    meter = MemoryMeter(device)
+    meter.start()
+    first = torch.empty(32 << 20, dtype=torch.uint8, device=device)
+    del first
+    with meter.paused():
+        big = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        del big
+    meter.mark_steady()
+    steady = torch.empty(16 << 20, dtype=torch.uint8, device=device)
+    del steady
+    with meter.paused():
+        big = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        del big
+    out = meter.stop()
+    assert 32 << 20 <= out["peak_bytes"] - base < 256 << 20
+    assert 16 << 20 <= out["steady_peak_bytes"] - base < 32 << 20
+

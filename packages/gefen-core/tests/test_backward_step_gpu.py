@@ -55,11 +55,14 @@ def test_fused_in_backward_is_bit_identical_to_the_fused_full_step(kind: str) ->
 def _peak_of_a_step(in_backward: bool, layers: int = 16, width: int = 2048,
                     before: int = 3) -> tuple[int, int]:
     """Peak bytes allocated during one training step (backward and optimizer.step()) of a bf16
-    stack of linear layers, after ``before`` steps (0: the first step, which learns the
-    codebook), beyond what was allocated before it; and the gradients' bytes."""
+    stack of linear layers, each followed by an RMS norm as in a transformer, after ``before``
+    steps (0: the first step, which learns the codebook), beyond what was allocated before it;
+    and the gradients' bytes. The handle keeps the smallest parameter's gradient for
+    ``optimizer.step()``: here a norm's weight, as in a real model."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(
-        device="cuda", dtype=torch.bfloat16)
+    blocks = [m for _ in range(layers) for m in (nn.Linear(width, width, bias=False),
+                                                  nn.RMSNorm(width))]
+    model = nn.Sequential(*blocks).to(device="cuda", dtype=torch.bfloat16)
     opt = Gefen(model.named_parameters(), lr=1e-4, fused=True)
     handle = step_in_backward(model, opt) if in_backward else None
     x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -313,6 +315,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "gefen-x=DIR (0.5.x) or gefen=DIR (1.2.x)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds before one probe is killed (default 600)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="optimizers searched at once, each probe in its own process "
+                             "(default 1); on CUDA, jobs x --budget-gib must fit the device")
     parser.add_argument("--out", type=Path, default=Path("gefen-bench-out/fit"),
                         help="directory for fit.json and fit.md")
 
@@ -343,6 +348,16 @@ def _check(args: argparse.Namespace) -> tuple[list[str], str, int, dict[str, str
         raise argparse.ArgumentTypeError(f"--budget-gib must be positive, got {args.budget_gib}")
     else:
         budget = int(args.budget_gib * 2**30)
+    if args.jobs < 1:
+        raise argparse.ArgumentTypeError(f"--jobs must be >= 1, got {args.jobs}")
+    if device.type == "cuda" and args.jobs > 1:
+        total = torch.cuda.get_device_properties(device).total_memory
+        if args.jobs * budget > total:
+            # Probes side by side share the device: a probe could fail for want of memory
+            # another probe holds, and its model would count as not fitting.
+            raise argparse.ArgumentTypeError(
+                f"--jobs {args.jobs} x --budget-gib {budget / 2**30:.2f} exceeds the device's "
+                f"{total / 2**30:.2f} GiB: lower --jobs or --budget-gib")
     targets = parse_assignments(args.target, "--target")
     return names, str(device), budget, targets
 
@@ -407,7 +422,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(
             f"--start {start} is outside [--min-size {args.min_size}, --max-size "
             f"{args.max_size}]")
-    setup = {"budget_bytes": budget, "batch": args.batch, "seq_len": args.seq_len,
+    setup = {"budget_bytes": budget, "jobs": args.jobs, "batch": args.batch,
+             "seq_len": args.seq_len,
              "vocab": args.vocab, "checkpointing": bool(args.checkpointing),
              "param_dtype": "bfloat16", "rule": family_config.__doc__.split("\n\n")[1].strip()
              if family_config.__doc__ else "", "start": start}
@@ -417,12 +433,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report = {"complete": False, "device": device, "device_name": device_name, "setup": setup,
               "skipped": skipped, "results": results}
     t0 = time.perf_counter()
-    for name in names:
-        if name in skipped:
-            console.print(f"[yellow]skipped[/yellow] {name}: {escape(skipped[name])}")
-            continue
+    lock = threading.Lock()  # results and fit.json, written as each optimizer finishes
 
-        def probe(size: int, name: str = name) -> dict[str, Any]:
+    def search(name: str) -> None:
+        def probe(size: int) -> dict[str, Any]:
             job = {"kind": "fit", "optimizer": name, "size": size, "vocab": args.vocab,
                    "batch": args.batch, "seq_len": args.seq_len,
                    "checkpointing": bool(args.checkpointing), "device": device,
@@ -446,10 +460,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         best, probes = largest_fit(probe, start=start, max_size=args.max_size, budget=budget,
                                    min_size=args.min_size)
-        results[name] = {"largest": best, "probes": probes,
-                         "steps_in_backward": registry.get_spec(name).steps_in_backward}
-        write_json(args.out / "fit.json", "fit", report, seeds=[0],
-                   argv=getattr(args, "argv", None))
+        with lock:
+            results[name] = {"largest": best, "probes": probes,
+                             "steps_in_backward": registry.get_spec(name).steps_in_backward}
+            write_json(args.out / "fit.json", "fit", report, seeds=[0],
+                       argv=getattr(args, "argv", None))
+
+    for name in names:
+        if name in skipped:
+            console.print(f"[yellow]skipped[/yellow] {name}: {escape(skipped[name])}")
+    todo = [n for n in names if n not in skipped]
+    with ThreadPoolExecutor(max_workers=max(1, min(args.jobs, len(todo)))) as pool:
+        for future in [pool.submit(search, n) for n in todo]:
+            future.result()
+    # The order asked for, whichever search finished first.
+    ordered = {n: results[n] for n in names if n in results}
+    results.clear()
+    results.update(ordered)
     for r in results.values():
         best = r["largest"]
         r["ratio_to"] = {ref: (best["params"] / results[ref]["largest"]["params"]

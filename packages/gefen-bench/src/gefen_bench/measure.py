@@ -3,7 +3,8 @@
 Memory method, stated in every report:
 
 * CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the start
-  of the measured region (bytes the caching allocator handed out, not reserved).
+  of the measured region (bytes the caching allocator handed out, not reserved), leaving out
+  what runs inside :meth:`MemoryMeter.paused` (evaluation, which is not training memory).
 * CPU: the process's RSS high-water mark (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) at
   the end of the region, and the same figure minus the RSS at the start of the region. Each
   optimizer runs in its own process (:mod:`.jobs`), so the high-water mark is that
@@ -12,9 +13,11 @@ Memory method, stated in every report:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -56,6 +59,27 @@ class MemoryMeter:
         self.device = device
         self._start = 0
         self._first_peak: int | None = None
+        # The peak so far of the current part (first step, then steady steps) up to the
+        # last pause: CUDA keeps one peak counter, reset when a pause ends.
+        self._part_peak = 0
+
+    def _peak_so_far(self) -> int:
+        return max(self._part_peak, torch.cuda.max_memory_allocated(self.device))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave what runs inside out of the peaks (CUDA; the CPU's RSS high-water mark
+        cannot leave anything out, so there it is a no-op)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        torch.cuda.synchronize(self.device)
+        self._part_peak = self._peak_so_far()
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def start(self) -> None:
         if self.device.type == "cuda":
@@ -69,13 +93,14 @@ class MemoryMeter:
         """The steps from here on are the steady ones (CUDA; a no-op on the CPU)."""
         if self.device.type == "cuda" and self._first_peak is None:
             torch.cuda.synchronize(self.device)
-            self._first_peak = torch.cuda.max_memory_allocated(self.device)
+            self._first_peak = self._peak_so_far()
+            self._part_peak = 0
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def stop(self) -> dict[str, Any]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            later = torch.cuda.max_memory_allocated(self.device)
+            later = self._peak_so_far()
             peak = max(later, self._first_peak or 0)
             steady = later if self._first_peak is not None else None
             return {"peak_bytes": peak, "peak_over_start_bytes": peak - self._start,

@@ -135,7 +135,8 @@ def run_digits_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
                 samples += len(idx)
             synchronize(device)
             train_time += time.perf_counter() - t0
-            eval_loss, accuracy = _evaluate(model, x_eval, y_eval)
+            with meter.paused():
+                eval_loss, accuracy = _evaluate(model, x_eval, y_eval)
             curve.append([epoch + 1, round(eval_loss, 5), round(accuracy, 5),
                           round(train_loss.item() / n, 5)])
             if not math.isfinite(eval_loss):

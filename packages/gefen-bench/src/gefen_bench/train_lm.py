@@ -117,7 +117,8 @@ def run_lm_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
             diverged = True
             break
         if (i + 1) % cfg.eval_every == 0 or i + 1 == steps:
-            eval_curve.append((i + 1, evaluate(model, held, curve_eval, cfg, device)))
+            with meter.paused():  # evaluation's batches are not training memory
+                eval_curve.append((i + 1, evaluate(model, held, curve_eval, cfg, device)))
         emit({"event": "progress", "label": label, "done": i + 1, "total": steps,
               "loss": value})
 

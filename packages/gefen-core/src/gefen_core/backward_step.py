@@ -335,6 +335,8 @@ class BackwardStep:
             for p, g, period in off.drain():
                 group, _, name = self._entries[id(p)]
                 opt._step_group(group, opt._init_group(group, [(p, g, name)], {p: period}))
+                # Released before drain() uploads the next one: one gradient on the device.
+                del g
 
     def _before_step(self, opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # torch passes step()'s positional arguments with the optimizer first.

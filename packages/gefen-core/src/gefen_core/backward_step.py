@@ -91,8 +91,8 @@ def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: A
             each hooked gradient to host memory (pinned, for CUDA gradients) as soon as its
             hook has taken its period and histogram, then learn the codebook in
             ``optimizer.step()`` and step the parameters one at a time, each gradient copied
-            back and released after its update. The device then never holds more than one
-            such gradient, so the first step's peak is the steady steps' peak; it costs
+            back and released after its update. The device then holds one such gradient at a
+            time, not every gradient of the model, through the first step; it costs
             2 bytes of host memory per bf16 parameter for that step and three host syncs per
             parameter in its backward. The bits are those of the full step.
             ``None``: on when the hooked parameters are on a CUDA device (default: None).

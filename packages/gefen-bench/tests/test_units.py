@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import zlib
+from typing import Any
 
 import pytest
 import torch
@@ -326,17 +327,24 @@ def test_memory_meter_has_no_steady_peak_on_cpu() -> None:
     assert out["steady_peak_bytes"] is None and out["peak_bytes"] >= out["peak_over_start_bytes"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_memory_meter_steady_peak_excludes_the_first_step() -> None:
-    """The steady peak is what the steps after mark_steady() allocate; the peak is the whole
-    region's."""
+def _started_cuda_meter() -> tuple[Any, int]:
+    """A started CUDA MemoryMeter and the bytes allocated before it started."""
     from gefen_bench.measure import MemoryMeter
 
     device = torch.device("cuda")
     base = torch.cuda.memory_allocated(device)
     meter = MemoryMeter(device)
     meter.start()
+    return meter, base
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_meter_steady_peak_excludes_the_first_step() -> None:
+    """The steady peak is what the steps after mark_steady() allocate; the peak is the whole
+    region's."""
+    meter, base = _started_cuda_meter()
+    device = torch.device("cuda")
     first = torch.empty(64 << 20, dtype=torch.uint8, device=device)
     del first
     meter.mark_steady()
@@ -352,12 +360,8 @@ def test_memory_meter_steady_peak_excludes_the_first_step() -> None:
 def test_memory_meter_leaves_paused_regions_out_of_both_peaks() -> None:
     """What runs inside paused() (evaluation) counts in neither peak; what ran before a pause
     still does."""
-    from gefen_bench.measure import MemoryMeter
-
+    meter, base = _started_cuda_meter()
     device = torch.device("cuda")
-    base = torch.cuda.memory_allocated(device)
-    meter = MemoryMeter(device)
-    meter.start()
     first = torch.empty(32 << 20, dtype=torch.uint8, device=device)
     del first
     with meter.paused():

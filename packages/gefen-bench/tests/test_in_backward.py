@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from gefen_bench import optimizers as registry
@@ -76,6 +77,21 @@ def test_train_grad_clip_override_reaches_the_lm_config() -> None:
     assert train._task_config(PRESETS["tiny"], "lm", args)["grad_clip"] == 0.0
     args = parser.parse_args(["--preset", "tiny"])
     assert train._task_config(PRESETS["tiny"], "lm", args)["grad_clip"] == 1.0
+
+
+def test_train_batch_override_reaches_the_lm_config_and_refuses_zero() -> None:
+    import argparse
+
+    from gefen_bench import train
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(["--preset", "tiny", "--batch", "3"])
+    assert train._task_config(PRESETS["tiny"], "lm", args)["batch"] == 3
+    args = parser.parse_args(["--preset", "tiny"])
+    assert train._task_config(PRESETS["tiny"], "lm", args)["batch"] == PRESETS["tiny"].lm.batch
+    with pytest.raises(argparse.ArgumentTypeError, match="--batch must be >= 1"):
+        train._check_args(parser.parse_args(["--preset", "tiny", "--batch", "0"]))
 
 
 def test_train_checkpointing_override_reaches_the_lm_config() -> None:

@@ -138,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the shared LR grid as multiples of each task's AdamW LR "
                              "(default: 0.5,1,2)")
     parser.add_argument("--steps", type=int, default=None, help="override the LM step count")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="override the LM batch (sequences of the preset's length per "
+                             "step)")
     parser.add_argument("--sweep-steps", type=int, default=None,
                         help="override the steps of each LM LR-sweep run (the preset's "
                              "sweep_steps; at most --steps)")
@@ -190,7 +193,7 @@ def _check_args(args: argparse.Namespace) -> tuple[Preset, list[str], list[str],
     tasks = [t for t in tasks if t not in absent]
     if args.grad_clip is not None and not args.grad_clip >= 0:
         raise argparse.ArgumentTypeError(f"--grad-clip must be >= 0, got {args.grad_clip}")
-    for flag in ("steps", "sweep_steps", "epochs", "threads", "jobs"):
+    for flag in ("steps", "batch", "sweep_steps", "epochs", "threads", "jobs"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise argparse.ArgumentTypeError(
@@ -215,6 +218,7 @@ def _preset_config(preset: Preset, task: str) -> Any:
 def _task_config(preset: Preset, task: str, args: argparse.Namespace) -> dict[str, Any]:
     if task == "lm":
         return as_dict(with_overrides(preset.lm, steps=args.steps,
+                                      batch=getattr(args, "batch", None),
                                       sweep_steps=getattr(args, "sweep_steps", None),
                                       grad_clip=getattr(args, "grad_clip", None),
                                       checkpointing=getattr(args, "checkpointing", None)))

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from gefen_core import Gefen, _steady_step
+from gefen_core import Gefen, _compiled_step, _op_record, _steady_step
 from gefen_core import dispatch as _dispatch
 
 fused = importlib.import_module("gefen_kernels.ops.fused_step")
@@ -193,6 +193,18 @@ def test_a_change_takes_the_full_step(fused_on_cpu: dict[str, int], change: str)
     _assert_same(a, b, pa, pb)
     invalidated = change in ("add_group", "reload")  # the record is dropped, not consulted
     assert fused_on_cpu == {"hit": 1, "miss": 0 if invalidated else 1}
+
+
+def test_a_counter_given_new_storage_keeps_counting_on_later_steady_steps(
+        fused_on_cpu: dict[str, int]) -> None:
+    """``.data =`` leaves a counter view's ``_base`` in place: the next record must not take
+    it for a view of the buffer that steady steps advance."""
+    a, b, pa, pb = _twins()
+    _step_both(a, b, pa, pb, range(2))
+    for opt, ps in ((a, pa), (b, pb)):
+        _changes()["counter_storage"](opt, ps)
+    _step_both(a, b, pa, pb, range(2, 5))
+    assert fused_on_cpu == {"hit": 3, "miss": 1}
 
 
 def test_lr_and_weight_decay_changes_keep_the_steady_step(
@@ -388,3 +400,97 @@ def test_off_tile_factored_tensors_share_grouped_statistics(
         _assert_same(a, b, pa, pb)
     assert any(seen)  # a statistics-only class was built
     assert fused_on_cpu["hit"] == 3
+
+
+# The compiled step's op (gefen_core._op_record): the traced step run eagerly issues the same
+# `gefen::functional_step` calls a compiled steady step does.
+
+
+@pytest.fixture
+def op_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    counts = {"hit": 0, "miss": 0}
+    run = _op_record.run
+
+    def counted(*args: Any, **kwargs: Any) -> bool:
+        took = run(*args, **kwargs)
+        counts["hit" if took else "miss"] += 1
+        return took
+
+    monkeypatch.setattr(_op_record, "run", counted)
+    return counts
+
+
+def _op_step(opt: Gefen) -> None:
+    _compiled_step.traced_step(opt, None)
+    _compiled_step.sync_global_step(opt)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_the_compiled_steps_op_repeats_its_recorded_launches(
+        fused_on_cpu: dict[str, int], op_calls: dict[str, int], stochastic: bool) -> None:
+    a, b, pa, pb = _twins(stochastic)
+    _step_both(a, b, pa, pb, range(1))
+    for step in range(1, 5):
+        _grads(pa, step)
+        _grads(pb, step)
+        _op_step(a)
+        _full_step(b)
+        _assert_same(a, b, pa, pb)
+    # Two calls per step (one per param group): recorded on the first, repeated on the rest.
+    assert op_calls == {"hit": 6, "miss": 2}
+
+
+@pytest.mark.parametrize("change", ["betas", "codebook_storage", "counter_storage",
+                                    "grad_dtype", "grad_strided", "no_grad", "param_storage",
+                                    "param_transposed", "state_tensor"])
+def test_a_change_sends_the_compiled_steps_op_to_the_full_path(
+        fused_on_cpu: dict[str, int], op_calls: dict[str, int], change: str) -> None:
+    a, b, pa, pb = _twins()
+    _step_both(a, b, pa, pb, range(1))
+    for step in (1, 2):
+        _grads(pa, step)
+        _grads(pb, step)
+        _op_step(a)
+        _full_step(b)
+    assert op_calls == {"hit": 2, "miss": 2}
+    for step in (3, 4):
+        _grads(pa, step)
+        _grads(pb, step)
+        if step == 3:
+            _changes()[change](a, pa)
+            _changes()[change](b, pb)
+        _op_step(a)
+        _full_step(b)
+        _assert_same(a, b, pa, pb)
+    # The changed call misses, is recorded again and repeats; a second miss where the change
+    # touches both calls (the codebook), is undone by the next step's gradients, or leaves a
+    # parameter that cannot be recorded (not contiguous).
+    misses = 3 if change in ("betas", "counter_storage", "param_storage", "state_tensor") else 4
+    assert op_calls == {"hit": 8 - misses, "miss": misses}
+
+
+def test_a_call_site_that_never_repeats_its_record_stops_recording_every_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """New tensors on every call (a backend that copies what the op mutates) never find a
+    record: past RETRY such calls, only every RETRY-th one records."""
+    builds: list[int] = []
+
+    class Counted:
+        @staticmethod
+        def build(*args: Any, **kwargs: Any) -> None:
+            builds.append(1)
+
+    monkeypatch.setattr(_op_record, "FusedStepRecord", Counted)
+    codebook = torch.zeros(256)
+    retry = _op_record.RETRY
+    for _ in range(3 * retry):
+        p = torch.zeros(4)
+        lists = ([p], [torch.zeros(4)], [torch.zeros(1, 4, dtype=torch.uint8)],
+                 [torch.zeros(1, 1)], [torch.zeros(1, 1)], [None], [None], [torch.zeros(())],
+                 [torch.zeros(())])
+        assert not _op_record.run(*lists, codebook=codebook, lr=1e-3, beta1=0.9, beta2=0.999,
+                                  eps=1e-8, weight_decay=0.0, maximize=False,
+                                  stochastic_round=False, seeds=None)
+        _op_record.record(*lists, codebook=codebook, beta1=0.9, beta2=0.999, eps=1e-8,
+                          maximize=False, stochastic_round=False)
+    assert len(builds) == retry + 2  # the first RETRY calls, then calls 2 and 3 x RETRY

@@ -31,6 +31,7 @@ import hashlib
 import json
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,7 @@ def _items(text: str, flag: str, allowed: tuple[str, ...]) -> list[str]:
     return items
 
 
-def fingerprint(named: list[tuple[str, torch.Tensor]], opt: Any) -> dict[str, Any]:
+def fingerprint(named: Sequence[tuple[str, torch.Tensor]], opt: Any) -> dict[str, Any]:
     """``{"digest", "tensors", "bytes", "entries"}`` of the parameters and ``opt.state``
     (module docstring)."""
     entries: dict[str, dict[str, Any]] = {}
@@ -92,7 +93,7 @@ def fingerprint(named: list[tuple[str, torch.Tensor]], opt: Any) -> dict[str, An
             if isinstance(value, torch.Tensor):
                 raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
                 n_bytes += raw.numel()
-                entries[label] = {"sha256": hashlib.sha256(raw.numpy()).hexdigest(),
+                entries[label] = {"sha256": hashlib.sha256(raw.numpy().data).hexdigest(),
                                   "dtype": str(value.dtype).removeprefix("torch."),
                                   "shape": list(value.shape)}
             else:
@@ -117,7 +118,7 @@ def run_case(shapes: Shapes, grads: list[list[torch.Tensor]], route: str, roundi
     opt = gefen_core.Gefen(named, lr=torch.tensor(LR, device=device) if captured else LR,
                            weight_decay=WEIGHT_DECAY, stochastic_round=rounding == "stochastic",
                            capturable=captured, deterministic=deterministic)
-    step = opt.step
+    step: Callable[[], Any] = opt.step
     for k in range(len(grads)):
         for (_, p), g in zip(named, grads[k]):
             p.grad.copy_(g)  # type: ignore[union-attr]  # build_param_set made every .grad

@@ -69,7 +69,9 @@ def run_lm_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
     torch.manual_seed(int(job.get("seed", 0)))
     model = byte_llama(cfg).to(device=device, dtype=_DTYPES[cfg.param_dtype])
     if cfg.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # A transformers model: nn.Module's __getattr__ types the method as Tensor | Module.
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False})
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
 

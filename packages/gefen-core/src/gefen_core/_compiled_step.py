@@ -50,8 +50,8 @@ from torch import Tensor
 
 from gefen_kernels.ops import transient_tables
 
+from . import _op_record, functional
 from . import dispatch as _dispatch
-from . import functional
 
 __all__ = ["counters_on_device", "functional_step", "seed_tensor", "sync_global_step",
            "traced_hybrid_step", "traced_muon_step", "traced_step"]
@@ -96,17 +96,13 @@ def _functional_step_op(
 ) -> None:
     lr, beta1, beta2, eps, weight_decay = scalars
     maximize, stochastic_round, capturable = flags
-    # A compiled caller may own the memory this call allocates from (reduce-overhead: the
-    # CUDA-graph trees' pool, which refuses tensors that outlive the call), so the launch
-    # tables built here are not kept; the eager steps keep theirs.
-    with transient_tables():
-        functional_step(
-            params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sqs, exp_avg_sq_rows,
-            exp_avg_sq_cols, state_steps, exp_avg_sq_steps, codebook=codebook,
-            global_step=global_step, lr=lr if lr_tensor is None else lr_tensor,
-            factored=factored, salts=salts, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, maximize=maximize, stochastic_round=stochastic_round,
-            path=path, capturable=capturable)
+    functional_step(
+        params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sqs, exp_avg_sq_rows,
+        exp_avg_sq_cols, state_steps, exp_avg_sq_steps, codebook=codebook,
+        global_step=global_step, lr=lr if lr_tensor is None else lr_tensor,
+        factored=factored, salts=salts, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, maximize=maximize, stochastic_round=stochastic_round,
+        path=path, capturable=capturable)
 
 
 @_functional_step_op.register_fake
@@ -176,13 +172,30 @@ def functional_step(
     else:
         step_count = int(global_step.item())  # a CPU tensor: no device synchronisation
         seeds = [mix_seed(step_count, salt) for salt in salts]
-    functional.gefen(
-        params, grads, exp_avg_codes, exp_avg_scales, sq_list, row_list, col_list,
-        state_steps, exp_avg_sq_steps, codebook=codebook, lr=lr, beta1=beta1, beta2=beta2,
-        eps=eps, weight_decay=weight_decay, maximize=maximize,
-        stochastic_round=stochastic_round, seeds=seeds, seed_tensors=seed_tensors,
-        foreach=path == "foreach", fused=path == "fused", capturable=capturable,
-        differentiable=False)
+    # A host-scalar fused call repeats its recorded launches when nothing they depend on
+    # changed (gefen_core._op_record), as the eager steady step does.
+    steady = path == "fused" and not capturable and not isinstance(lr, Tensor)
+    lists = (params, grads, exp_avg_codes, exp_avg_scales, sq_list, row_list, col_list,
+             state_steps, exp_avg_sq_steps)
+    if steady and _op_record.run(
+            *lists, codebook=codebook, lr=float(lr), beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, maximize=maximize, stochastic_round=stochastic_round,
+            seeds=seeds):
+        return
+    # A compiled caller may own the memory this call allocates from (reduce-overhead: the
+    # CUDA-graph trees' pool, which refuses tensors that outlive the call), so the launch
+    # tables built here are not kept; the eager steps keep theirs.
+    with transient_tables():
+        functional.gefen(
+            *lists, codebook=codebook, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, maximize=maximize, stochastic_round=stochastic_round,
+            seeds=seeds, seed_tensors=seed_tensors, foreach=path == "foreach",
+            fused=path == "fused", capturable=capturable, differentiable=False)
+    if steady:
+        # Host-scalar groups only: under reduce-overhead a capture refuses them (above), so
+        # the tables this keeps never come from the CUDA-graph trees' pool of a working step.
+        _op_record.record(*lists, codebook=codebook, beta1=beta1, beta2=beta2, eps=eps,
+                          maximize=maximize, stochastic_round=stochastic_round)
 
 
 # --------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ from . import amp as _amp
 from . import dispatch as _dispatch
 from ._seeds import mix_seed, name_salt
 
-__all__ = ["SteadyStep", "build"]
+__all__ = ["SteadyStep", "build", "counter_buffer"]
 
 # The group options the recorded plans and paths depend on (lr and weight_decay only enter
 # the per-step scalars, which are recomputed every step).
@@ -301,15 +301,29 @@ def _rehome_counters(states: Sequence[dict[str, Any]]) -> weakref.ref[Tensor] | 
     if not old or any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 0
                       or t.requires_grad for t in old):
         return None
-    base = old[0]._base
-    if (base is not None and base.dim() == 1 and base.numel() == len(old)
-            and base.dtype == torch.float32 and base.device.type == "cpu"):
-        offset = base.storage_offset()
-        if all(t._base is base and t.storage_offset() == offset + i for i, t in enumerate(old)):
-            return weakref.ref(base)
+    base = counter_buffer(old)
+    if base is not None:
+        return weakref.ref(base)
     buffer = torch.stack(old)
     n = len(states)
     for i, st in enumerate(states):
         st["step"] = buffer[i]
         st["exp_avg_sq_step"] = buffer[n + i]
     return weakref.ref(buffer)
+
+
+def counter_buffer(counters: Sequence[Tensor]) -> Tensor | None:
+    """The fp32 CPU buffer whose 0-d views ``counters`` are, in order and with nothing else in
+    it (the layout :func:`_rehome_counters` gives them), or ``None``."""
+    if not counters:
+        return None
+    base = counters[0]._base
+    if (base is None or base.dim() != 1 or base.numel() != len(counters)
+            or base.dtype != torch.float32 or base.device.type != "cpu"):
+        return None
+    # Addresses, not storage offsets: `.data =` gives a view new storage but keeps its `_base`.
+    start = base.data_ptr()
+    if all(t._base is base and t.dim() == 0 and t.data_ptr() == start + 4 * i
+           for i, t in enumerate(counters)):
+        return base
+    return None

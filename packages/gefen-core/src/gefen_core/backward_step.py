@@ -322,6 +322,7 @@ class BackwardStep:
                    if "period" not in opt.state.get(p, {})]
         found = dict(zip([e[0] for e in unknown], opt._select_periods(unknown)))
         counts = off.counts
+        assert counts is not None  # every offloaded gradient added its histogram
         if rest:
             counts = counts + histogram_sum(
                 [g for _, _, g, _ in rest],

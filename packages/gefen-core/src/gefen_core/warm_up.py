@@ -54,6 +54,7 @@ def warm_up(params: nn.Module | Iterable[Tensor] | Iterable[tuple[str, Tensor]],
         ValueError: ``params`` holds no tensor; an option :class:`Gefen` refuses (its error).
     """
     start = time.perf_counter()
+    tensors: list[Tensor]
     if isinstance(params, nn.Module):
         tensors = [p for p in params.parameters() if p.requires_grad]
     else:

@@ -66,45 +66,34 @@ def test_entry_steps_during_backward_and_releases_gradients() -> None:
     assert opt._global_step == 3
 
 
-def test_train_grad_clip_override_reaches_the_lm_config() -> None:
+def _lm_config(*argv: str) -> dict[str, object]:
     import argparse
 
     from gefen_bench import train
 
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
-    args = parser.parse_args(["--preset", "tiny", "--grad-clip", "0"])
-    assert train._task_config(PRESETS["tiny"], "lm", args)["grad_clip"] == 0.0
-    args = parser.parse_args(["--preset", "tiny"])
-    assert train._task_config(PRESETS["tiny"], "lm", args)["grad_clip"] == 1.0
+    args = parser.parse_args(["--preset", "tiny", *argv])
+    train._check_args(args)
+    return train._task_config(PRESETS["tiny"], "lm", args)
 
 
-def test_train_batch_override_reaches_the_lm_config_and_refuses_zero() -> None:
+@pytest.mark.parametrize(("argv", "key", "value"), [
+    (["--grad-clip", "0"], "grad_clip", 0.0),
+    (["--batch", "3"], "batch", 3),
+    (["--checkpointing"], "checkpointing", True),
+])
+def test_train_lm_overrides_reach_the_lm_config(argv: list[str], key: str,
+                                                 value: object) -> None:
+    assert _lm_config(*argv)[key] == value
+    assert _lm_config()[key] == getattr(PRESETS["tiny"].lm, key) != value
+
+
+def test_train_refuses_a_zero_batch() -> None:
     import argparse
 
-    from gefen_bench import train
-
-    parser = argparse.ArgumentParser()
-    train.add_arguments(parser)
-    args = parser.parse_args(["--preset", "tiny", "--batch", "3"])
-    assert train._task_config(PRESETS["tiny"], "lm", args)["batch"] == 3
-    args = parser.parse_args(["--preset", "tiny"])
-    assert train._task_config(PRESETS["tiny"], "lm", args)["batch"] == PRESETS["tiny"].lm.batch
     with pytest.raises(argparse.ArgumentTypeError, match="--batch must be >= 1"):
-        train._check_args(parser.parse_args(["--preset", "tiny", "--batch", "0"]))
-
-
-def test_train_checkpointing_override_reaches_the_lm_config() -> None:
-    import argparse
-
-    from gefen_bench import train
-
-    parser = argparse.ArgumentParser()
-    train.add_arguments(parser)
-    args = parser.parse_args(["--preset", "tiny", "--checkpointing"])
-    assert train._task_config(PRESETS["tiny"], "lm", args)["checkpointing"] is True
-    args = parser.parse_args(["--preset", "tiny"])
-    assert train._task_config(PRESETS["tiny"], "lm", args)["checkpointing"] is False
+        _lm_config("--batch", "0")
 
 
 def test_lm_training_with_checkpointing_recomputes_the_same_gradients() -> None:

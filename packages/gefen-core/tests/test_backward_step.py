@@ -133,7 +133,8 @@ def _smallest_of_each_group(params: list[torch.Tensor], opt) -> set[int]:  # noq
 def _train(modes: str, options: dict, *, steps: int = 20, switch_at: int = 10,
            tie: bool = False, hybrid: bool = False, accumulate: int = 1,
            clip_per_param: float | None = None, device: str = "cpu",
-           dtype: torch.dtype = torch.float32, offload: bool | None = None):
+           dtype: torch.dtype = torch.float32, offload: bool | None = None,
+           bucket_cap_mb: float = 25.0):
     """``modes``: two letters, the stepping before and after a save/load at ``switch_at``
     (``n`` normal, ``b`` in backward). Returns losses, parameters and the final state_dict."""
     model, opt, sched = _build(options, tie=tie, hybrid=hybrid, device=device, dtype=dtype)
@@ -157,7 +158,7 @@ def _train(modes: str, options: dict, *, steps: int = 20, switch_at: int = 10,
             sched.load_state_dict(saved["sched"])
         if mode == "b" and handle is None:
             handle = step_in_backward(model, opt, max_grad_norm_per_param=clip_per_param,
-                                      offload_first_step=offload)
+                                      offload_first_step=offload, bucket_cap_mb=bucket_cap_mb)
         gefen = opt.backup if isinstance(opt, GefenMuonHybrid) else opt
         before = {id(p): _step_count(gefen, p) for p in model.parameters()}
         for m in range(accumulate):
@@ -211,12 +212,17 @@ OPTIONS = {
 }
 
 
+# MiB: every gradient in one bucket per group; a few gradients per bucket; one per hook.
+BUCKET_CAPS = (25.0, 12 / 1024, 0.0)
+
+
 @pytest.mark.parametrize("kind", sorted(OPTIONS))
 def test_in_backward_is_bit_identical_to_normal_stepping_across_checkpoints(kind: str) -> None:
     options = OPTIONS[kind]
     reference = _train("nn", options)
-    for modes in ("bb", "nb", "bn"):
-        got = _train(modes, options)
+    for modes, cap in (("bb", BUCKET_CAPS[0]), ("bb", BUCKET_CAPS[1]), ("bb", BUCKET_CAPS[2]),
+                       ("nb", BUCKET_CAPS[1]), ("bn", BUCKET_CAPS[2])):
+        got = _train(modes, options, bucket_cap_mb=cap)
         _same(got[0], reference[0], f"{modes} losses")
         _same(got[1], reference[1], f"{modes} params")
         _same(got[2], reference[2], f"{modes} state_dict")
@@ -225,6 +231,43 @@ def test_in_backward_is_bit_identical_to_normal_stepping_across_checkpoints(kind
     assert reference[0][-1] < reference[0][0]
     keys = {k for st in reference[2]["state"].values() for k in st}
     assert ("exp_avg_sq_row" in keys) == options["factored_v_2d"]
+
+
+@pytest.mark.parametrize("cap", BUCKET_CAPS)
+def test_buckets_step_gradients_together_and_hold_at_most_the_cap(cap: float,
+                                                                  monkeypatch) -> None:  # noqa: ANN001
+    """Each in-backward update steps one bucket: its gradients' bytes reach the cap only with
+    its last gradient, so at most the cap plus one gradient waits; every bucket has stepped
+    before backward returns."""
+    model, opt, _ = _build(OPTIONS["factored-nearest"])
+    handle = step_in_backward(model, opt, bucket_cap_mb=cap)
+    buckets: list[list[int]] = []
+    step_group = opt._step_group
+
+    def counted(group, by_path):  # noqa: ANN001, ANN202
+        buckets.append([g.numel() * g.element_size()
+                        for lists in by_path.values() for g in lists["grads"]])
+        return step_group(group, by_path)
+
+    monkeypatch.setattr(opt, "_step_group", counted)
+    for i in range(3):
+        buckets.clear()
+        _loss(model, _batch(i)).backward()
+        in_backward = list(buckets)
+        opt.step()
+        opt.zero_grad()
+    kept = _smallest_of_each_group(handle.params, opt)
+    assert sum(len(b) for b in in_backward) == len(handle.params) - len(kept)
+    limit = int(cap * 2**20)
+    for sizes in in_backward:
+        assert sum(sizes[:-1]) < limit or len(sizes) == 1
+    if cap == 0:
+        assert all(len(b) == 1 for b in in_backward)
+    else:
+        assert any(len(b) > 1 for b in in_backward)
+        if cap < 1:
+            assert len(in_backward) > 1  # the cap split the backward's gradients
+    handle.remove()
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIONS))
@@ -521,6 +564,11 @@ def test_options_and_optimizers_that_cannot_step_in_backward_are_refused() -> No
         step_in_backward([p for _, p in named[:4]], opt)
     with pytest.raises(ValueError, match="max_grad_norm_per_param"):
         step_in_backward(model, opt, max_grad_norm_per_param=0.0)
+    for cap in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="bucket_cap_mb must be finite and >= 0"):
+            step_in_backward(model, opt, bucket_cap_mb=cap)
+    with pytest.raises(TypeError, match="bucket_cap_mb must be a number"):
+        step_in_backward(model, opt, bucket_cap_mb="25")  # type: ignore[arg-type]
     handle = step_in_backward(model, opt)
     with pytest.raises(ValueError, match="already steps in backward"):
         step_in_backward(model, opt)

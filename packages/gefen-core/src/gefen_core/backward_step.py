@@ -53,7 +53,8 @@ _GROUP_SKIP = ("params", "param_names", "param_names_synthesized")
 
 def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: Any, *,
                      max_grad_norm_per_param: float | None = None,
-                     offload_first_step: bool | None = None) -> BackwardStep:
+                     offload_first_step: bool | None = None,
+                     bucket_cap_mb: float = 25.0) -> BackwardStep:
     r"""Step ``optimizer`` during ``backward``, one parameter at a time, releasing each gradient
     as soon as its parameter is updated (docs/algorithm.md#step-in-backward).
 
@@ -96,6 +97,12 @@ def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: A
             2 bytes of host memory per bf16 parameter for that step and three host syncs per
             parameter in its backward. The bits are those of the full step.
             ``None``: on when the hooked parameters are on a CUDA device (default: None).
+        bucket_cap_mb (float): gradients of one param group are stepped together once their
+            bytes reach this many MiB (and the rest at the end of the backward): one grouped
+            launch for many small tensors instead of one step per tensor, whose host cost
+            (planning and kernel launches) would otherwise be paid per parameter. At most this
+            many MiB plus one gradient wait to be stepped at any time. ``0``: each parameter
+            steps in its own hook (default: 25, as ``DistributedDataParallel``'s buckets).
 
     Returns:
         BackwardStep: the handle; ``remove()`` (or leaving its ``with`` block) takes every hook
@@ -104,7 +111,8 @@ def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: A
     Raises:
         TypeError: ``optimizer`` is not Gefen or a hybrid with a Gefen backup (GefenMuon alone,
             an AdamW backup, another optimizer); a parameter that is not a tensor; an
-            ``offload_first_step`` that is not ``True``, ``False`` or ``None``.
+            ``offload_first_step`` that is not ``True``, ``False`` or ``None``; a
+            ``bucket_cap_mb`` that is not a number.
         ValueError, before any hook is registered, for what cannot step in backward:
             ``skip_nonfinite`` (needs every gradient before the first update); ``capturable``
             groups (nothing is left for a captured ``step()``); fp16 parameters (GradScaler
@@ -114,7 +122,7 @@ def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: A
             model or a process group of several ranks (gradients are reduced after the hook
             runs); a parameter the optimizer does not hold, listed twice or not requiring a
             gradient; an optimizer that already has a handle; a ``max_grad_norm_per_param``
-            that is not a finite number > 0.
+            that is not a finite number > 0; a ``bucket_cap_mb`` that is not finite and >= 0.
         RuntimeError, while training, at the first offending step and before any parameter is
             updated in it: gradients changed between ``backward`` and ``optimizer.step()``
             (global-norm clipping such as ``clip_grad_norm_``, ``GradScaler.unscale_``), seen
@@ -134,7 +142,7 @@ def step_in_backward(model_or_params: nn.Module | Iterable[Tensor], optimizer: A
     """
     return BackwardStep(model_or_params, optimizer,
                         max_grad_norm_per_param=max_grad_norm_per_param,
-                        offload_first_step=offload_first_step)
+                        offload_first_step=offload_first_step, bucket_cap_mb=bucket_cap_mb)
 
 
 class BackwardStep:
@@ -142,7 +150,7 @@ class BackwardStep:
 
     def __init__(self, model_or_params: nn.Module | Iterable[Tensor], optimizer: Any, *,
                  max_grad_norm_per_param: float | None = None,
-                 offload_first_step: bool | None = None) -> None:
+                 offload_first_step: bool | None = None, bucket_cap_mb: float = 25.0) -> None:
         target = _gefen_of(optimizer)
         _refuse_options(target)
         norm = max_grad_norm_per_param
@@ -153,6 +161,12 @@ class BackwardStep:
         if offload_first_step is not None and not isinstance(offload_first_step, bool):
             raise TypeError("step_in_backward: offload_first_step must be True, False or None, "
                             f"got {offload_first_step!r}")
+        cap = bucket_cap_mb
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+            raise TypeError(f"step_in_backward: bucket_cap_mb must be a number, got {cap!r}")
+        if not math.isfinite(cap) or cap < 0:
+            raise ValueError("step_in_backward: bucket_cap_mb must be finite and >= 0 (0 steps "
+                             f"each parameter in its own hook), got {cap!r}")
         module = model_or_params if isinstance(model_or_params, nn.Module) else None
         params = _hooked_params(model_or_params, target)
         if target in _HANDLES:
@@ -173,6 +187,12 @@ class BackwardStep:
         self._seen: set[int] = set()
         self._entries: dict[int, tuple[dict[str, Any], Tensor, str]] = {}
         self._kept: dict[int, tuple[Tensor, Tensor, int, Tensor]] = {}
+        self._bucket_cap = int(cap * 2**20)
+        # Gradients waiting to step together: one param group's, in hook order.
+        self._bucket: list[tuple[Tensor, Tensor, str]] = []
+        self._bucket_group: dict[str, Any] | None = None
+        self._bucket_bytes = 0
+        self._flush_queued = False
         self._checked = False  # this step's gradients were compared at a step pre-hook
         # The smallest hooked parameter of each param group keeps its gradient until
         # optimizer.step() on every step: gradient processing between backward and step
@@ -201,8 +221,10 @@ class BackwardStep:
         for h in self._handles:
             h.remove()
         self._handles = []
-        # optimizer.step() without the hooks needs the offloaded gradients back.
+        # optimizer.step() without the hooks needs the offloaded gradients back, and steps the
+        # gradients still waiting in a bucket (they are on their parameters).
         self._offloaded.restore()
+        self._bucket, self._bucket_group, self._bucket_bytes = [], None, 0
         if _HANDLES.get(self._target) is self:
             del _HANDLES[self._target]
 
@@ -277,9 +299,33 @@ class BackwardStep:
             return
         _check_grad(p, g, entry[2])
         group, _, name = entry
+        if self._bucket_group is not group:
+            self._flush()
+            self._bucket_group = group
+        self._bucket.append((p, g, name))
+        self._bucket_bytes += g.numel() * g.element_size()
+        if self._bucket_bytes >= self._bucket_cap:
+            self._flush()
+        elif not self._flush_queued:
+            # The rest steps when this backward ends: the engine runs its final callbacks
+            # after every gradient is accumulated, on streams synced with the gradients'.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._flush_queued = True
+
+    def _end_backward(self) -> None:
+        self._flush_queued = False
+        self._flush()
+
+    def _flush(self) -> None:
+        """Step the waiting gradients (one param group's) and release them."""
+        entries, group = self._bucket, self._bucket_group
+        if not entries or group is None:
+            return
+        self._bucket, self._bucket_bytes = [], 0
         with torch.no_grad():
-            self._target._step_group(group, self._target._init_group(group, [(p, g, name)], {}))
-        p.grad = None
+            self._target._step_group(group, self._target._init_group(group, entries, {}))
+        for p, _, _ in entries:
+            p.grad = None
 
     def _offload_gradient(self, p: Tensor, g: Tensor, entry: tuple[dict[str, Any], Tensor, str]
                           ) -> bool:
@@ -366,6 +412,7 @@ class BackwardStep:
                 "between backward and optimizer.step(); parameters step in backward with the "
                 "values set before it, so change them before backward (a scheduler's step() "
                 "after optimizer.step() is right)")
+        self._flush()  # left by a backward that stopped before its end (an error in it)
         self._step_offloaded()
 
     def _refuse_changed_gradients(self) -> None:
@@ -412,6 +459,7 @@ class BackwardStep:
         self._kept.clear()
         self._offloaded.items.clear()  # kept only if step() raised before _step_offloaded
         self._learning = False
+        self._flush_queued = False
         self._seen.clear()
         self._entries = {}
         self._open = False

@@ -270,6 +270,40 @@ def test_buckets_step_gradients_together_and_hold_at_most_the_cap(cap: float,
     handle.remove()
 
 
+def test_a_bucket_left_by_a_failed_backward_steps_in_optimizer_step() -> None:
+    """A backward that raises after some hooks ran never reaches its final callback: the
+    gradients waiting in the bucket step in the next ``optimizer.step()``, as the step would
+    have stepped them without the handle, and no parameter steps twice."""
+    model, opt, _ = _build(OPTIONS["block-nearest"])
+    handle = step_in_backward(model, opt)
+    for i in range(2):  # the handle's first step is a full step
+        _loss(model, _batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def fail(p: torch.Tensor) -> None:
+        raise RuntimeError("hook failed")
+
+    # The embedding's gradient is the backward's last: every other one is in the bucket.
+    failing = model.embed_tokens.weight.register_post_accumulate_grad_hook(fail)
+    before = {id(p): _step_count(opt, p) for p in model.parameters()}
+    with pytest.raises(RuntimeError, match="hook failed"):
+        _loss(model, _batch(2)).backward()
+    waiting = [p for p in handle.params
+               if p.grad is not None and _step_count(opt, p) == before[id(p)]]
+    assert len(waiting) > 2  # the bucket's, and the kept ones
+    opt.step()
+    opt.zero_grad()
+    for p in model.parameters():
+        assert _step_count(opt, p) == before[id(p)] + 1
+    failing.remove()
+    _loss(model, _batch(3)).backward()  # nothing of the failed backward is left to step
+    opt.step()
+    for p in model.parameters():
+        assert _step_count(opt, p) == before[id(p)] + 2
+    handle.remove()
+
+
 @pytest.mark.parametrize("kind", sorted(OPTIONS))
 def test_offloaded_first_step_is_bit_identical_to_the_full_step(kind: str) -> None:
     options = OPTIONS[kind]

@@ -493,4 +493,4 @@ def test_a_call_site_that_never_repeats_its_record_stops_recording_every_call(
                                   stochastic_round=False, seeds=None)
         _op_record.record(*lists, codebook=codebook, beta1=0.9, beta2=0.999, eps=1e-8,
                           maximize=False, stochastic_round=False)
-    assert len(builds) == retry + 2  # the first RETRY calls, then calls 2 and 3 x RETRY
+    assert len(builds) == retry + 2  # each of the first RETRY calls, then every RETRY-th

@@ -186,3 +186,66 @@ def test_plot_of_an_lm_only_run_has_no_digits_panel(tmp_path: Path,
     assert not any("digits" in t for t in titles)
     assert len(titles) == 6 and all(titles)
     assert "LM: final held-out loss (mean; bars: range over seeds)" in titles
+
+
+def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gefen_bench.cli", "train", "--preset", "tiny", "--tasks", "lm",
+         "--optimizers", "adamw,gefen", "--jobs", "2", "--threads", "1", "--seeds", "0,1",
+         "--seeds-for", "adamw", "--out", str(out), *extra],
+        capture_output=True, text=True, env=_env(), timeout=600)
+
+
+def test_resume_keeps_finished_runs_and_runs_only_the_rest(tmp_path: Path) -> None:
+    out = tmp_path / "train"
+    assert _train(out).returncode == 0
+    path = out / "train.json"
+    full = json.loads(path.read_text())
+    # Cut the report back to what a cut-off invocation would have left: one sweep point
+    # failed, Gefen's reported run and AdamW's second seed unfinished.
+    cut = json.loads(path.read_text())
+    cut["complete"] = False
+    points = cut["lr_sweep"]["lm"]["points"]
+    failed = next(p for p in points if p["optimizer"] == "gefen")
+    failed["error"], failed["score"] = "timeout: killed", "inf"
+    del cut["results"]["lm"]["gefen"]
+    cut["results"]["lm"]["adamw"]["runs"] = cut["results"]["lm"]["adamw"]["runs"][:1]
+    path.write_text(json.dumps(cut))
+
+    proc = _train(out, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads(path.read_text())
+    assert resumed["complete"] is True
+    assert [h["command"] for h in resumed["resumed"]] == [full["meta"]["command"]]
+    before = {(p["optimizer"], p["lr"]): p for p in full["lr_sweep"]["lm"]["points"]}
+    after = {(p["optimizer"], p["lr"]): p for p in resumed["lr_sweep"]["lm"]["points"]}
+    assert after.keys() == before.keys()
+    rerun = (failed["optimizer"], failed["lr"])
+    for key, point in after.items():
+        assert "error" not in point and math.isfinite(point["score"])
+        # A kept point is the earlier invocation's (same process time line); the failed one
+        # ran again in this invocation and scored the same (CPU runs are deterministic).
+        assert (point["process"] == before[key]["process"]) is (key != rerun)
+        assert point["score"] == before[key]["score"]
+    lm, lm_before = resumed["results"]["lm"], full["results"]["lm"]
+    assert lm["adamw"]["runs"][0] == lm_before["adamw"]["runs"][0]  # kept
+    assert [r["seed"] for r in lm["adamw"]["runs"]] == [0, 1]
+    assert lm["adamw"]["runs"][1]["final_eval_loss"] == lm_before["adamw"]["runs"][1][
+        "final_eval_loss"]
+    assert lm["adamw"]["process"] == lm_before["adamw"]["process"]
+    assert lm["gefen"]["final_eval_loss"] == lm_before["gefen"]["final_eval_loss"]
+    assert lm["gefen"]["process"] != lm_before["gefen"]["process"]
+
+
+def test_resume_refuses_another_plan_and_a_missing_report(tmp_path: Path) -> None:
+    out = tmp_path / "train"
+    proc = _train(out, "--resume")
+    assert proc.returncode == 2 and "no train.json" in proc.stderr
+    out.mkdir(parents=True)
+    (out / "train.json").write_text(json.dumps(
+        {"schema": "gefen-bench/train/1", "plan": {"preset": "tiny", "seeds": [0]}}))
+    before = (out / "train.json").read_text()
+    proc = _train(out, "--resume")
+    assert proc.returncode == 2 and "another plan" in proc.stderr
+    assert "configs" in proc.stderr and "seeds" in proc.stderr
+    assert (out / "train.json").read_text() == before  # nothing written

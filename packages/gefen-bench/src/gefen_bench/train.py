@@ -17,7 +17,8 @@ initialisation seeds (mean and spread, :mod:`.train_report`).
 Sweep runs and reported runs share one job runner (:class:`~.jobs.JobQueue`, ``--jobs`` at
 a time): an optimizer's reported runs start as soon as its own sweep points are in, and
 ``train.json`` is rewritten after every finished run, so a cut-off invocation keeps what it
-finished (``"complete": false``).
+finished (``"complete": false``); ``--resume`` runs only what such a file lacks
+(:mod:`.train_resume`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from .train_report import (
     print_tables,
     verdicts,
 )
+from .train_resume import Previous, load, plan
 from .train_sweep import choose, equal_lr, grid_lrs
 
 __all__ = ["LM_STATE_RATIO", "LOSS_TOLERANCE", "add_arguments", "run"]
@@ -176,6 +178,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds before one optimizer's run is killed (default 3600)")
     parser.add_argument("--out", type=Path, default=Path("gefen-bench-out/train"),
                         help="directory for train.json and train.png")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the sweep points and reported runs that the train.json in "
+                             "--out finished (an earlier invocation with the same options, "
+                             "cut off) and run only the rest")
 
 
 def _check_args(args: argparse.Namespace) -> tuple[Preset, list[str], list[str], dict[str, str]]:
@@ -275,11 +281,12 @@ def _sweep_extra(task: str, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def sweep_jobs(task: str, names: list[str], config: dict[str, Any], args: argparse.Namespace,
-               device: str, targets: dict[str, str]) -> list[dict[str, Any]]:
+               device: str, targets: dict[str, str],
+               done: frozenset[tuple[str, float]] = frozenset()) -> list[dict[str, Any]]:
     """The LR-sweep jobs of ``task`` (job kind ``"sweep"``, :mod:`.train_sweep`): every
-    optimizer of ``names`` at every LR of the task's shared grid, scored on the validation
-    split, in optimizer order so that each optimizer's sweep ends early and its reported runs
-    can start.
+    optimizer of ``names`` at every LR of the task's shared grid but the ``(optimizer, lr)``
+    points in ``done``, scored on the validation split, in optimizer order so that each
+    optimizer's sweep ends early and its reported runs can start.
 
     With ``--jobs 1`` the package's own optimizers share one process per task (torch is
     imported once) and each published-package optimizer has one; with more, every (optimizer,
@@ -294,6 +301,7 @@ def sweep_jobs(task: str, names: list[str], config: dict[str, Any], args: argpar
         native = [n for n in names if registry.get_spec(n).external is None]
         groups = ([[(n, lr) for n in native for lr in lrs]] if native else []) + [
             [(n, lr) for lr in lrs] for n in names if n not in native]
+    groups = [g for g in ([p for p in group if p not in done] for group in groups) if g]
     jobs = []
     for group in groups:
         job = _job(task, group[0][0], group[0][1], config, args, device, targets, **extra)
@@ -319,8 +327,10 @@ class _Invocation:
                  runnable: list[str], configs: dict[str, dict[str, Any]], device: str,
                  targets: dict[str, str], skipped: dict[str, str],
                  lrs: dict[str, dict[str, float]], lr_source: dict[str, dict[str, str]],
-                 seeds: tuple[int, ...], seeds_for: set[str]) -> None:
+                 seeds: tuple[int, ...], seeds_for: set[str], plan: dict[str, Any],
+                 previous: Previous | None = None) -> None:
         self.args, self.preset, self.tasks, self.runnable = args, preset, tasks, runnable
+        self.plan, self.previous = plan, previous
         self.configs, self.device, self.targets, self.skipped = configs, device, targets, skipped
         self.lrs, self.lr_source = lrs, lr_source
         self.seeds, self.seeds_for = seeds, seeds_for
@@ -329,7 +339,7 @@ class _Invocation:
         self.failed: dict[str, str] = {}
         self.sweeps: dict[str, dict[str, Any]] = {}
         self.pending: dict[tuple[str, str], set[float]] = {}
-        self.wall: dict[str, float] = {}
+        self.wall: dict[str, float] = dict(previous.wall) if previous else {}
         self.start = time.monotonic()
         self.bars: _Bars | None = None
         self.queue = JobQueue(args.jobs, on_event=self.on_event, timeout_s=args.timeout,
@@ -342,8 +352,15 @@ class _Invocation:
         return self.seeds if name in self.seeds_for else self.seeds[:1]
 
     def final_jobs(self, task: str, name: str) -> list[tuple[dict[str, Any], float]]:
+        """The reported runs of ``(task, name)`` at its LR, less those ``--resume`` kept."""
+        kept = (self.previous.take_runs(task, name, self.lrs[task][name])
+                if self.previous is not None else {})
         out = []
         for seed in self.seeds_of(task, name):
+            if seed in kept:
+                self.seed_runs.setdefault((task, name), {})[seed] = kept[seed]
+                self._fold(task, name)
+                continue
             job = _job(task, name, self.lrs[task][name], self.configs[task], self.args,
                        self.device, self.targets)
             job.update(role="final", seed=seed)
@@ -370,8 +387,12 @@ class _Invocation:
                                   "points": [], "tuned": {}, "equal_lr": {}}
                 for n in swept:
                     self.pending[(t, n)] = set(lrs)
+                kept = self.previous.points.get(t, []) if self.previous is not None else []
+                for point in kept:
+                    jobs += self.record_point(t, point)
+                done = frozenset((p["optimizer"], p["lr"]) for p in self.sweeps[t]["points"])
                 jobs += [(j, 0.0) for j in sweep_jobs(t, swept, self.configs[t], self.args,
-                                                      self.device, self.targets)]
+                                                      self.device, self.targets, done)]
             for n in self.runnable:
                 if n not in swept:
                     jobs += self.final_jobs(t, n)
@@ -484,6 +505,9 @@ class _Invocation:
             "wall_s": {"total": time.monotonic() - self.start, "per_process": self.wall},
             "parallel_jobs": self.args.jobs,
             "threads_per_job": self.args.threads,
+            "plan": self.plan,
+            # The invocations whose finished runs --resume kept, earliest first.
+            "resumed": self.previous.history if self.previous is not None else [],
         }
         return out
 
@@ -542,8 +566,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"default ({registry.get_spec(n).lr_scale:g} x AdamW's "
                 f"{configs[t]['adamw_lr']:g})")
 
+    run_plan = plan(preset.name, device, configs, args.sweep_grid if args.lr_sweep else None,
+                    args.lr_overrides, seeds,
+                    registry.parse_names(args.seeds_for) if args.seeds_for else None,
+                    args.data_seed)
+    previous = None
+    if args.resume:
+        try:
+            previous = load(args.out / "train.json", run_plan, runnable)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     state = _Invocation(args, preset, tasks, runnable, configs, device, targets, skipped,
-                        lrs, lr_source, seeds, seeds_for)
+                        lrs, lr_source, seeds, seeds_for, run_plan, previous)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=False)
     scratch = tempfile.TemporaryDirectory(prefix="gefen-bench-train-")

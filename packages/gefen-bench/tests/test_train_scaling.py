@@ -249,3 +249,25 @@ def test_resume_refuses_another_plan_and_a_missing_report(tmp_path: Path) -> Non
     assert proc.returncode == 2 and "another plan" in proc.stderr
     assert "configs" in proc.stderr and "seeds" in proc.stderr
     assert (out / "train.json").read_text() == before  # nothing written
+
+
+def test_resume_reads_diverged_points_and_runs_back_as_numbers(tmp_path: Path) -> None:
+    from gefen_bench.train_resume import load, plan
+
+    expected = plan("tiny", "cpu", {"lm": {"steps": 8}}, (0.5, 1.0), {}, (0, 1), None, 1234)
+    path = tmp_path / "train.json"
+    # As write_json stores them: an infinite score as "inf", a NaN loss as null.
+    path.write_text(json.dumps({
+        "schema": "gefen-bench/train/1", "plan": expected, "meta": {"command": "c"},
+        "lr_sweep": {"lm": {"points": [
+            {"optimizer": "gefen", "lr": 1e-3, "score": "inf"},
+            {"optimizer": "gefen", "lr": 2e-3, "score": "inf", "error": "timeout"},
+            {"optimizer": "muon", "lr": 1e-3, "score": 2.0}]}},
+        "results": {"lm": {"gefen": {"lr": 1e-3, "final_eval_loss": None, "x": 1, "runs": [
+            {"seed": 0, "final_eval_loss": None}, {"seed": 1, "final_eval_loss": 2.5}]}}}}))
+    prev = load(path, expected, ["adamw", "gefen"])
+    assert prev.points["lm"] == [{"optimizer": "gefen", "lr": 1e-3, "score": math.inf}]
+    runs = prev.take_runs("lm", "gefen", 1e-3)
+    assert math.isnan(runs[0]["final_eval_loss"]) and runs[0]["x"] == 1
+    assert runs[1]["final_eval_loss"] == 2.5 and runs[1]["lr"] == 1e-3
+    assert prev.take_runs("lm", "gefen", 1e-3) == {}  # handed out once

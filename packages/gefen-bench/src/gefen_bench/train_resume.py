@@ -19,6 +19,7 @@ choose differently now).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,11 @@ def plan(preset: str, device: str, configs: dict[str, dict[str, Any]],
     return dict(json.loads(json.dumps(value)))
 
 
+def _number(value: Any) -> float:
+    """A loss or score as the report wrote it (NaN as null, infinities as strings) → float."""
+    return math.nan if value is None else float(value)
+
+
 def _lm_seed_runs(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Per-seed records of an aggregated LM record: the first seed's full record, the others'
     summaries (what aggregate_seeds needs of them)."""
@@ -68,10 +74,12 @@ def _lm_seed_runs(record: dict[str, Any]) -> dict[int, dict[str, Any]]:
     for i, summary in enumerate(runs):
         if i == 0:
             full = {k: v for k, v in record.items() if k not in _AGGREGATE_KEYS}
-            full.update(final_eval_loss=summary["final_eval_loss"], seed=summary["seed"])
+            full.update(final_eval_loss=_number(summary["final_eval_loss"]),
+                        seed=summary["seed"])
             out[int(summary["seed"])] = full
         else:
-            out[int(summary["seed"])] = {**summary, "lr": record.get("lr")}
+            out[int(summary["seed"])] = {**summary, "lr": record.get("lr"),
+                                         "final_eval_loss": _number(summary["final_eval_loss"])}
     return out
 
 
@@ -103,7 +111,7 @@ def load(path: Path, expected: dict[str, Any], names: list[str]) -> Previous:
     wanted = set(names)
     prev = Previous()
     for task, sweep in (report.get("lr_sweep") or {}).items():
-        prev.points[task] = [p for p in sweep.get("points", [])
+        prev.points[task] = [{**p, "score": _number(p["score"])} for p in sweep.get("points", [])
                              if p["optimizer"] in wanted and "error" not in p]
     for task, by_name in (report.get("results") or {}).items():
         for name, record in by_name.items():

@@ -271,3 +271,37 @@ def test_resume_reads_diverged_points_and_runs_back_as_numbers(tmp_path: Path) -
     assert math.isnan(runs[0]["final_eval_loss"]) and runs[0]["x"] == 1
     assert runs[1]["final_eval_loss"] == 2.5 and runs[1]["lr"] == 1e-3
     assert prev.take_runs("lm", "gefen", 1e-3) == {}  # handed out once
+
+
+def test_digits_seeds_set_the_reported_runs_of_both_digits_tasks(tmp_path: Path) -> None:
+    out = tmp_path / "train"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gefen_bench.cli", "train", "--preset", "tiny", "--tasks",
+         "digits,digits-mlp", "--optimizers", "adamw,gefen-factor-all", "--no-lr-sweep",
+         "--digits-seeds", "3,5", "--threads", "1", "--out", str(out)],
+        capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "train.json").read_text())
+    for task in ("digits", "digits-mlp"):
+        assert report["tasks"][task]["config"]["seeds"] == [3, 5]
+        for name in ("adamw", "gefen-factor-all"):
+            assert [r["seed"] for r in report["results"][task][name]["runs"]] == [3, 5]
+    assert report["plan"]["configs"]["digits-mlp"]["seeds"] == [3, 5]  # --resume compares it
+
+
+def test_gefen_factor_all_factors_the_matrices_the_factoring_rule_keeps_per_block() -> None:
+    import torch
+
+    from gefen_bench import optimizers as registry
+
+    def layout(name: str) -> set[str]:
+        p = torch.nn.Parameter(torch.randn(10, 16))
+        (opt,) = registry.build(name, [("w", p)], lr=1e-3, weight_decay=0.0,
+                                device=torch.device("cpu"))
+        p.grad = torch.randn(10, 16)
+        opt.step()
+        return set(opt.state[p])
+
+    # [10, 16] is below the rule's min_dim_size_to_factor=128 (docs/algorithm.md#factoring-rule).
+    assert "exp_avg_sq" in layout("gefen") and "exp_avg_sq_row" not in layout("gefen")
+    assert {"exp_avg_sq_row", "exp_avg_sq_col"} <= layout("gefen-factor-all")

@@ -290,6 +290,13 @@ REGISTRY: dict[str, OptimizerSpec] = {
                       lambda n, **kw: _build_gefen(n, factored_v_2d=False, **kw),
                       requires="gefen-core", min_bytes_per_param=8.0,
                       options={"factored_v_2d": False}),
+        # The factoring rule off (docs/algorithm.md#factoring-rule): every matrix factored,
+        # as before the rule, to measure what the rule changes on small models.
+        OptimizerSpec("gefen-factor-all", "gefen_core.Gefen(min_dim_size_to_factor=0)",
+                      GEFEN_LR_RATIO,
+                      lambda n, **kw: _build_gefen(n, min_dim_size_to_factor=0, **kw),
+                      requires="gefen-core", min_bytes_per_param=8.0,
+                      options={"min_dim_size_to_factor": 0}),
         OptimizerSpec("gefen-in-backward",
                       "gefen_core.Gefen stepped in backward (step_in_backward), gradients "
                       "released as each parameter steps", GEFEN_LR_RATIO,

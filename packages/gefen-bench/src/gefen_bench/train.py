@@ -105,14 +105,15 @@ def parse_grid(text: str) -> tuple[float, ...]:
 
 
 def parse_seeds(text: str) -> tuple[int, ...]:
-    """``"0,1"`` → ``(0, 1)``: distinct integers, at least one."""
+    """``"0,1"`` → ``(0, 1)``: distinct integers, at least one. (argparse names the flag in
+    its error.)"""
     try:
         seeds = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--seeds: {text!r} is not a list of integers (e.g. --seeds 0,1)") from None
+            f"{text!r} is not a list of integers (e.g. 0,1)") from None
     if not seeds or len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"--seeds: {text!r} needs distinct integers")
+        raise argparse.ArgumentTypeError(f"{text!r} needs distinct integers")
     return seeds
 
 
@@ -154,6 +155,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "layer (default: the preset's, off in every preset)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="override the epoch count of both digits tasks")
+    parser.add_argument("--digits-seeds", type=parse_seeds, default=None, metavar="S,S,...",
+                        help="override the seeds of both digits tasks' reported runs (each "
+                             "seed initialises the model and orders the batches; default: "
+                             "the preset's)")
     parser.add_argument("--seed", type=int, default=0, help="LM model-initialisation seed")
     parser.add_argument("--seeds", type=parse_seeds, default=None, metavar="S,S,...",
                         help="LM model-initialisation seeds of the reported runs (e.g. 0,1): "
@@ -230,7 +235,8 @@ def _task_config(preset: Preset, task: str, args: argparse.Namespace) -> dict[st
                                       checkpointing=getattr(args, "checkpointing", None)))
     cfg = _preset_config(preset, task)
     assert cfg is not None
-    return as_dict(with_overrides(cfg, epochs=args.epochs))
+    return as_dict(with_overrides(cfg, epochs=args.epochs,
+                                  seeds=getattr(args, "digits_seeds", None)))
 
 
 def _default_lr(config: dict[str, Any], name: str) -> float:

@@ -199,3 +199,30 @@ def test_step_replot_draws_a_chart_from_saved_json(tmp_path) -> None:
     with pytest.raises(SystemExit):
         main(["step", "--replot", str(empty)])
     assert not (tmp_path / "empty.png").exists()
+
+
+@pytest.mark.timeout(300)
+def test_step_cold_cache_first_step_builds_every_kernel_in_a_fresh_process(tmp_path) -> None:
+    """``--first-step cold-cache`` gives each (optimizer, model) its own process on new, empty
+    kernel caches: Gefen's first step on the CPU finds no native step built and builds it
+    (one library file), torch's AdamW writes nothing; ``warm-cache`` runs the same processes
+    on the caches as they are and counts nothing."""
+    main(["step", "--device", "cpu", "--scale", "tiny", "--models", "gpt2,llama",
+          "--optimizers", "gefen,adamw-default", "--steps", "1", "--warmup", "0",
+          "--first-step", "cold-cache", "--out", str(tmp_path / "cold")])
+    report = json.loads((tmp_path / "cold" / "step.json").read_text())
+    assert report["first_step"] == "cold-cache" and not report["failed"], report["failed"]
+    rows = {(r["optimizer"], r["model"]): r for r in report["rows"]}
+    assert set(rows) == {(o, m) for o in ("gefen", "adamw-default") for m in ("gpt2", "llama")}
+    for (optimizer, _), row in rows.items():
+        assert row["first_step_mode"] == "cold-cache"
+        # Each model's process starts on empty caches, the second model's too.
+        assert row["kernel_cache_files_before_first_step"] == 0
+        built = row["kernel_cache_files_after_first_step"]
+        assert built >= 1 if optimizer == "gefen" else built == 0
+    main(["step", "--device", "cpu", "--scale", "tiny", "--models", "gpt2",
+          "--optimizers", "gefen", "--steps", "1", "--warmup", "0",
+          "--first-step", "warm-cache", "--out", str(tmp_path / "warm")])
+    (row,) = json.loads((tmp_path / "warm" / "step.json").read_text())["rows"]
+    assert row["first_step_mode"] == "warm-cache"
+    assert row["kernel_cache_files_before_first_step"] is None

@@ -56,7 +56,8 @@ class JobOutcome:
 
 
 def run_job(job: dict[str, Any], *, on_event: EventHandler | None = None,
-            timeout_s: float | None = None, threads: int | None = None) -> JobOutcome:
+            timeout_s: float | None = None, threads: int | None = None,
+            env: dict[str, str] | None = None) -> JobOutcome:
     """Run ``job`` in a fresh ``python -m gefen_bench.worker`` process and wait for it.
 
     Args:
@@ -64,8 +65,9 @@ def run_job(job: dict[str, Any], *, on_event: EventHandler | None = None,
         on_event: called in this thread for every event line before the result.
         timeout_s: kill the process after this many seconds (``status="timeout"``).
         threads: ``OMP_NUM_THREADS`` / torch intra-op threads for the child.
+        env: variables set in the child's environment on top of this process's.
     """
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env["PYTHONUNBUFFERED"] = "1"
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)

@@ -23,6 +23,13 @@ compile ms is the first compiled call (dynamo, AOT and inductor for this model, 
 step), the warm-up and timed steps run the compiled steady step, next to the eager rows of
 the same optimizer in the same run (docs/compile.md).
 
+``--first-step`` says what first-step ms includes. ``prewarmed`` (the default) is the above.
+``warm-cache`` and ``cold-cache`` run each (optimizer, model) in its own process with no
+pre-warm, so first-step ms is a fresh process's first step on that model: on the kernel caches
+as they are on disk (``warm-cache``), or on new, empty Triton, inductor and native-step cache
+directories (``cold-cache``, which also records how many cache files the first step wrote):
+the first step of a job on a new node or container.
+
 Columns: median step ms; host-issue ms (median); first-step ms; warm first-step ms (the
 second optimizer's first step, above); compile ms (compiled entries, above); state B/param (distinct
 storages reachable from the optimizer, :mod:`.state_bytes`); alloc-delta B/param (growth of
@@ -49,7 +56,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +83,10 @@ _COPY_BYTES = {"cuda": 4 * 2**30, "cpu": 256 * 2**20}
 # default AdamW, fp32, in both second-moment modes.
 CPU_MODELS = "square4096,small64x256,gpt2"
 CPU_DEFAULT = ("adamw-default", "gefen", "gefen-blockv")
+FIRST_STEP_MODES = ("prewarmed", "warm-cache", "cold-cache")
+# The kernel caches a cold-cache process gets new, empty directories for (Triton's compiled
+# kernels, inductor's, gefen_kernels' native CPU step).
+_CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "GEFEN_KERNELS_CACHE")
 # The optimizer each row's "x baseline" ratio divides by, per device type.
 _BASELINE = {"cpu": "adamw-default", "cuda": "adamw-fused"}
 
@@ -105,6 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds per optimizer process (default 900)")
     parser.add_argument("--out", type=Path, default=Path("gefen-bench-out/step"),
                         help="directory for step.json and step.png")
+    parser.add_argument("--first-step", default="prewarmed", choices=FIRST_STEP_MODES,
+                        help="what first-step ms includes: prewarmed (default: one process "
+                             "per optimizer, a tiny set stepped first), warm-cache (one "
+                             "process per optimizer and model, nothing stepped before: the "
+                             "first step of a fresh process on the kernel caches as they are) "
+                             "or cold-cache (the same with new, empty Triton, inductor and "
+                             "native-step caches: every kernel is compiled in the first step)")
     parser.add_argument("--replot", type=Path, default=None, metavar="STEP_JSON",
                         help="measure nothing: draw step.png next to an existing step.json")
 
@@ -243,7 +263,9 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before_first = _allocated(device)
+    cache_files_before = _cache_files(job)
     first_s, _ = timer(step)
+    cache_files_after = _cache_files(job)
     if device.type == "cuda":
         first_peak = torch.cuda.max_memory_allocated(device) - (before_first or 0)
         first_kept = (_allocated(device) or 0) - (before_first or 0)
@@ -285,6 +307,9 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
         "step_ms_p90": sorted(times)[math.ceil(0.9 * len(times)) - 1] * 1e3,
         "host_issue_ms_median": _median(hosts) * 1e3,
         "first_step_ms": first_s * 1e3,
+        "first_step_mode": job.get("first_step", "prewarmed"),
+        "kernel_cache_files_before_first_step": cache_files_before,
+        "kernel_cache_files_after_first_step": cache_files_after,
         "first_step_warm_ms": warm_first_s * 1e3,
         "state_bytes_per_param": state["bytes_per_param"],
         "state_bytes": state["state_bytes"],
@@ -315,14 +340,9 @@ def _bench_model(name: str, model: str, job: dict[str, Any], device: torch.devic
     return result
 
 
-def run_step_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """Worker: copy bandwidth (``job['mode'] == 'copy'``) or one optimizer over the models."""
-    device = torch.device(job["device"])
-    if job.get("mode") == "copy":
-        return _copy_bandwidth(device)
-    dtype = getattr(torch, job["dtype"])
-    name = job["optimizer"]
-    # Pre-warm: a tiny 3-tensor set so process one-time costs stay out of the first step.
+def _prewarm(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Step a tiny 3-tensor set, so one-time process costs (imports, JIT, lazy kernel
+    loading) stay out of the first step."""
     warm = [(f"warm.{i}.weight", torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype)))
             for i, s in enumerate([(64, 32), (32,), (16, 8)])]
     for _, p in warm:
@@ -332,6 +352,35 @@ def run_step_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]) ->
         warm_step = torch.compile(o.step) if registry.get_spec(name).compiled else o.step
         for _ in range(2):
             warm_step()
+
+
+def _cache_files(job: dict[str, Any]) -> int | None:
+    """Files in the kernel caches a cold-cache job was given (``None`` in other modes)."""
+    if job.get("first_step") != "cold-cache":
+        return None
+    return sum(len(files) for var in _CACHE_VARIABLES
+               for _, _, files in os.walk(os.environ[var]))
+
+
+def _process_jobs(base: dict[str, Any], first_step: str) -> list[tuple[dict[str, Any], bool]]:
+    """The worker processes of one optimizer: ``(job, cold)`` pairs. Prewarmed runs every
+    model in one process; the other modes give each model its own, so each first step is a
+    fresh process's, and ``cold`` ones run on new, empty kernel caches."""
+    if first_step == "prewarmed":
+        return [({**base, "first_step": first_step}, False)]
+    return [({**base, "models": [m], "first_step": first_step}, first_step == "cold-cache")
+            for m in base["models"]]
+
+
+def run_step_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Worker: copy bandwidth (``job['mode'] == 'copy'``) or one optimizer over the models."""
+    device = torch.device(job["device"])
+    if job.get("mode") == "copy":
+        return _copy_bandwidth(device)
+    dtype = getattr(torch, job["dtype"])
+    name = job["optimizer"]
+    if job.get("first_step", "prewarmed") == "prewarmed":
+        _prewarm(name, device, dtype)
     rows = []
     for model in job["models"]:
         rows.append(_bench_model(name, model, job, device, dtype))
@@ -469,7 +518,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         console.print(f"[yellow]skipped[/yellow] {n}: {escape(reason)}")
     start = time.perf_counter()
     base = {"kind": "step", "device": str(device), "dtype": args.dtype, "scale": args.scale,
-            "models": models, "steps": args.steps, "warmup": args.warmup}
+            "models": models, "steps": args.steps, "warmup": args.warmup,
+            "first_step": args.first_step}
     copy = run_job({**base, "mode": "copy"}, timeout_s=args.timeout)
     bandwidth: dict[str, Any] = (copy.result if copy.status == "ok" and copy.result
                                  else {"error": copy.error})
@@ -482,7 +532,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"device": str(device), "dtype": args.dtype, "scale": args.scale,
                 "commit": _commit(), "baseline": _BASELINE.get(device.type),
                 "models": models, "steps": args.steps, "warmup": args.warmup,
-                "copy_bandwidth": bandwidth, "rows": rows, "skipped": skipped,
+                "first_step": args.first_step, "copy_bandwidth": bandwidth, "rows": rows, "skipped": skipped,
                 "failed": failed, "wall_s": time.perf_counter() - start, "complete": complete}
 
     for n in names:
@@ -493,17 +543,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if spec.external is not None:
             job["target"] = targets[spec.external]
         console.print(f"running {n} ...")
-        out = run_job(job, timeout_s=args.timeout)
-        if out.status == "ok" and out.result is not None:
-            for row in out.result["rows"]:
-                row["external_version"] = out.result.get("external_version")
-                ceiling = bandwidth.get("gb_per_s")
-                row["pct_copy_bw"] = 100 * row["eff_gb_per_s"] / ceiling if ceiling else None
-                rows.append(row)
-        else:
-            failed[n] = f"{out.status}: {out.error}"
-            console.print(f"[red]{n} {out.status}[/red]: "
-                          + escape(f"{out.error}\n{out.stderr_tail[-3000:]}"))
+        for process_job, cold in _process_jobs(job, args.first_step):
+            with tempfile.TemporaryDirectory(prefix="gefen-bench-cold-") as tmp:
+                env = ({var: str(Path(tmp) / var.lower()) for var in _CACHE_VARIABLES}
+                       if cold else None)
+                out = run_job(process_job, timeout_s=args.timeout, env=env)
+            if out.status == "ok" and out.result is not None:
+                for row in out.result["rows"]:
+                    row["external_version"] = out.result.get("external_version")
+                    ceiling = bandwidth.get("gb_per_s")
+                    row["pct_copy_bw"] = (100 * row["eff_gb_per_s"] / ceiling if ceiling
+                                          else None)
+                    rows.append(row)
+            else:
+                key = n if args.first_step == "prewarmed" else f"{n}/{process_job['models'][0]}"
+                failed[key] = f"{out.status}: {out.error}"
+                console.print(f"[red]{key} {out.status}[/red]: "
+                              + escape(f"{out.error}\n{out.stderr_tail[-3000:]}"))
         # Rewritten after every optimizer: a run cut short by an outer timeout keeps the rows
         # measured so far ("complete": false).
         write_json(args.out / "step.json", "step", report(False), seeds=[0],
@@ -524,7 +580,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               r.get("first_step_transient_mib"), r["min_bytes_per_param"],
               r["eff_gb_per_s"], r["pct_copy_bw"]] for r in sorted(rows, key=lambda r: r["model"])]
     print_table(f"gefen-bench step · {device} · {args.dtype} · {args.scale} shapes · "
-                f"{args.steps} timed steps · x baseline = median step / "
+                f"first step {args.first_step} · {args.steps} timed steps · x baseline = median step / "
                 f"{_BASELINE.get(device.type)}'s (same run)", columns, table)
     halves = _halves_table(rows)
     if halves:

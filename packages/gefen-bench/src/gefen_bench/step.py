@@ -532,8 +532,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"device": str(device), "dtype": args.dtype, "scale": args.scale,
                 "commit": _commit(), "baseline": _BASELINE.get(device.type),
                 "models": models, "steps": args.steps, "warmup": args.warmup,
-                "first_step": args.first_step, "copy_bandwidth": bandwidth, "rows": rows, "skipped": skipped,
-                "failed": failed, "wall_s": time.perf_counter() - start, "complete": complete}
+                "first_step": args.first_step, "copy_bandwidth": bandwidth, "rows": rows,
+                "skipped": skipped, "failed": failed, "wall_s": time.perf_counter() - start,
+                "complete": complete}
 
     for n in names:
         if n in skipped:
@@ -580,8 +581,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               r.get("first_step_transient_mib"), r["min_bytes_per_param"],
               r["eff_gb_per_s"], r["pct_copy_bw"]] for r in sorted(rows, key=lambda r: r["model"])]
     print_table(f"gefen-bench step · {device} · {args.dtype} · {args.scale} shapes · "
-                f"first step {args.first_step} · {args.steps} timed steps · x baseline = median step / "
-                f"{_BASELINE.get(device.type)}'s (same run)", columns, table)
+                f"first step {args.first_step} · {args.steps} timed steps · "
+                f"x baseline = median step / {_BASELINE.get(device.type)}'s (same run)",
+                columns, table)
     halves = _halves_table(rows)
     if halves:
         print_table("state by half (Muon half over Muon-routed params, backup half over the "

@@ -377,3 +377,17 @@ def test_memory_meter_leaves_paused_regions_out_of_both_peaks() -> None:
     assert 32 << 20 <= out["peak_bytes"] - base < 256 << 20
     assert 16 << 20 <= out["steady_peak_bytes"] - base < 32 << 20
 
+
+
+def test_reports_record_the_variables_that_change_what_they_measure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graph replay (``GEFEN_CUDA_GRAPHS``) and the kernel caches change a step's figures
+    without appearing on the command line, so ``meta`` records them; other variables stay out."""
+    from gefen_bench.report import run_metadata
+
+    monkeypatch.setenv("GEFEN_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/cold")
+    monkeypatch.setenv("HOME_TOKEN_NOT_RECORDED", "y")
+    env = run_metadata(argv=["gefen-bench", "step"])["environment"]
+    assert env["GEFEN_CUDA_GRAPHS"] == "1" and env["TRITON_CACHE_DIR"] == "/tmp/cold"
+    assert "HOME_TOKEN_NOT_RECORDED" not in env

@@ -88,6 +88,12 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+# Environment variables that change what a run measures (graph replay, kernel paths and caches,
+# threads, visible devices); recorded in every report's ``meta``.
+_RECORDED_VARIABLE_PREFIXES = ("GEFEN_", "TRITON_", "TORCHINDUCTOR_", "OMP_NUM_THREADS",
+                               "CUDA_VISIBLE_DEVICES")
+
+
 def run_metadata(*, seeds: Sequence[int] | None = None,
                  argv: Sequence[str] | None = None) -> dict[str, Any]:
     """The ``meta`` block of a report."""
@@ -99,6 +105,8 @@ def run_metadata(*, seeds: Sequence[int] | None = None,
         "machine": machine_info(),
         "versions": versions(),
         "seeds": list(seeds) if seeds is not None else None,
+        "environment": {k: v for k, v in sorted(os.environ.items())
+                        if k.startswith(_RECORDED_VARIABLE_PREFIXES)},
     }
 
 

@@ -205,8 +205,11 @@ def test_step_replot_draws_a_chart_from_saved_json(tmp_path) -> None:
 def test_step_cold_cache_first_step_builds_every_kernel_in_a_fresh_process(tmp_path) -> None:
     """``--first-step cold-cache`` gives each (optimizer, model) its own process on new, empty
     kernel caches: Gefen's first step on the CPU finds no native step built and builds it
-    (one library file), torch's AdamW writes nothing; ``warm-cache`` runs the same processes
-    on the caches as they are and counts nothing."""
+    (where this machine builds one), torch's AdamW writes nothing; ``warm-cache`` runs the same
+    processes on the caches as they are and counts nothing."""
+    import gefen_kernels
+
+    native = gefen_kernels.cpu_step_status() == "native"
     main(["step", "--device", "cpu", "--scale", "tiny", "--models", "gpt2,llama",
           "--optimizers", "gefen,adamw-default", "--steps", "1", "--warmup", "0",
           "--first-step", "cold-cache", "--out", str(tmp_path / "cold")])
@@ -219,7 +222,7 @@ def test_step_cold_cache_first_step_builds_every_kernel_in_a_fresh_process(tmp_p
         # Each model's process starts on empty caches, the second model's too.
         assert row["kernel_cache_files_before_first_step"] == 0
         built = row["kernel_cache_files_after_first_step"]
-        assert built >= 1 if optimizer == "gefen" else built == 0
+        assert built >= 1 if optimizer == "gefen" and native else built == 0
     main(["step", "--device", "cpu", "--scale", "tiny", "--models", "gpt2",
           "--optimizers", "gefen", "--steps", "1", "--warmup", "0",
           "--first-step", "warm-cache", "--out", str(tmp_path / "warm")])

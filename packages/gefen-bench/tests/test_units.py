@@ -378,7 +378,6 @@ def test_memory_meter_leaves_paused_regions_out_of_both_peaks() -> None:
     assert 16 << 20 <= out["steady_peak_bytes"] - base < 32 << 20
 
 
-
 def test_reports_record_the_variables_that_change_what_they_measure(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Graph replay (``GEFEN_CUDA_GRAPHS``) and the kernel caches change a step's figures
@@ -387,7 +386,10 @@ def test_reports_record_the_variables_that_change_what_they_measure(
 
     monkeypatch.setenv("GEFEN_CUDA_GRAPHS", "1")
     monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/cold")
+    monkeypatch.setenv("CC", "gcc-13")
+    monkeypatch.setenv("CCACHE_DIR", "/tmp/ccache")
     monkeypatch.setenv("HOME_TOKEN_NOT_RECORDED", "y")
     env = run_metadata(argv=["gefen-bench", "step"])["environment"]
     assert env["GEFEN_CUDA_GRAPHS"] == "1" and env["TRITON_CACHE_DIR"] == "/tmp/cold"
-    assert "HOME_TOKEN_NOT_RECORDED" not in env
+    assert env["CC"] == "gcc-13"
+    assert "HOME_TOKEN_NOT_RECORDED" not in env and "CCACHE_DIR" not in env

@@ -88,10 +88,13 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-# Environment variables that change what a run measures (graph replay, kernel paths and caches,
-# threads, visible devices); recorded in every report's ``meta``.
-_RECORDED_VARIABLE_PREFIXES = ("GEFEN_", "TRITON_", "TORCHINDUCTOR_", "OMP_NUM_THREADS",
-                               "CUDA_VISIBLE_DEVICES")
+# Environment variables of the invoking process that change what a run measures (graph replay,
+# kernel paths and caches, the allocator, threads, visible devices), recorded in every report's
+# ``meta``. Workers inherit them, except what a command sets per worker (``--threads``, the
+# cold-cache directories of ``step --first-step cold-cache``), which its report records itself.
+_RECORDED_PREFIXES = ("GEFEN_", "TRITON_", "TORCHINDUCTOR_")
+_RECORDED_NAMES = frozenset({"PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING",
+                             "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "XDG_CACHE_HOME", "CC"})
 
 
 def run_metadata(*, seeds: Sequence[int] | None = None,
@@ -106,7 +109,7 @@ def run_metadata(*, seeds: Sequence[int] | None = None,
         "versions": versions(),
         "seeds": list(seeds) if seeds is not None else None,
         "environment": {k: v for k, v in sorted(os.environ.items())
-                        if k.startswith(_RECORDED_VARIABLE_PREFIXES)},
+                        if k.startswith(_RECORDED_PREFIXES) or k in _RECORDED_NAMES},
     }
 
 

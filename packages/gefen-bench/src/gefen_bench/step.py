@@ -28,7 +28,11 @@ the same optimizer in the same run (docs/compile.md).
 pre-warm, so first-step ms is a fresh process's first step on that model: on the kernel caches
 as they are on disk (``warm-cache``), or on new, empty Triton, inductor and native-step cache
 directories (``cold-cache``, which also records how many cache files the first step wrote):
-the first step of a job on a new node or container.
+the first step of a job on a new node or container. Kernels that only steady steps launch are
+compiled or loaded in the warm-up steps after it, and a ``*-compiled`` row's compile ms then
+includes dynamo's and inductor's one-time start-up in the process. In these modes
+``--timeout`` bounds each (optimizer, model) process, ``step.json`` is rewritten after each,
+and a failure is keyed ``optimizer/model`` in ``failed``.
 
 Columns: median step ms; host-issue ms (median); first-step ms; warm first-step ms (the
 second optimizer's first step, above); compile ms (compiled entries, above); state B/param (distinct
@@ -115,7 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="published package dir (pip install --no-deps --target DIR): "
                              "gefen-x=DIR (0.5.x) or gefen=DIR (1.2.x)")
     parser.add_argument("--timeout", type=float, default=900.0,
-                        help="seconds per optimizer process (default 900)")
+                        help="seconds per optimizer process, or per optimizer and model "
+                             "with --first-step warm-cache or cold-cache (default 900)")
     parser.add_argument("--out", type=Path, default=Path("gefen-bench-out/step"),
                         help="directory for step.json and step.png")
     parser.add_argument("--first-step", default="prewarmed", choices=FIRST_STEP_MODES,
@@ -124,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "process per optimizer and model, nothing stepped before: the "
                              "first step of a fresh process on the kernel caches as they are) "
                              "or cold-cache (the same with new, empty Triton, inductor and "
-                             "native-step caches: every kernel is compiled in the first step)")
+                             "native-step caches: the first step compiles what it launches)")
     parser.add_argument("--replot", type=Path, default=None, metavar="STEP_JSON",
                         help="measure nothing: draw step.png next to an existing step.json")
 
@@ -358,7 +363,7 @@ def _cache_files(job: dict[str, Any]) -> int | None:
     """Files in the kernel caches a cold-cache job was given (``None`` in other modes)."""
     if job.get("first_step") != "cold-cache":
         return None
-    return sum(len(files) for var in _CACHE_VARIABLES
+    return sum(len(files) for var in _CACHE_VARIABLES if var in os.environ
                for _, _, files in os.walk(os.environ[var]))
 
 
@@ -545,10 +550,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             job["target"] = targets[spec.external]
         console.print(f"running {n} ...")
         for process_job, cold in _process_jobs(job, args.first_step):
-            with tempfile.TemporaryDirectory(prefix="gefen-bench-cold-") as tmp:
-                env = ({var: str(Path(tmp) / var.lower()) for var in _CACHE_VARIABLES}
-                       if cold else None)
-                out = run_job(process_job, timeout_s=args.timeout, env=env)
+            if cold:
+                # A killed worker may leave files being written: cleaning up never fails the run.
+                with tempfile.TemporaryDirectory(prefix="gefen-bench-cold-",
+                                                 ignore_cleanup_errors=True) as tmp:
+                    env = {var: str(Path(tmp) / var.lower()) for var in _CACHE_VARIABLES}
+                    out = run_job(process_job, timeout_s=args.timeout, env=env)
+            else:
+                out = run_job(process_job, timeout_s=args.timeout)
             if out.status == "ok" and out.result is not None:
                 for row in out.result["rows"]:
                     row["external_version"] = out.result.get("external_version")
@@ -561,10 +570,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 failed[key] = f"{out.status}: {out.error}"
                 console.print(f"[red]{key} {out.status}[/red]: "
                               + escape(f"{out.error}\n{out.stderr_tail[-3000:]}"))
-        # Rewritten after every optimizer: a run cut short by an outer timeout keeps the rows
-        # measured so far ("complete": false).
-        write_json(args.out / "step.json", "step", report(False), seeds=[0],
-                   argv=getattr(args, "argv", None))
+            # Rewritten after every process: a run cut short by an outer timeout keeps the
+            # rows measured so far ("complete": false).
+            write_json(args.out / "step.json", "step", report(False), seeds=[0],
+                       argv=getattr(args, "argv", None))
     wall = time.perf_counter() - start
     _add_ratios(rows, _BASELINE.get(device.type))
     columns = ["optimizer", "model", "step ms median", "x baseline", "host-issue ms",

@@ -20,7 +20,7 @@ from kernels_inputs import (
 from kernels_oracle import block_step64, boundary_distance, param_update64
 
 from gefen_kernels import _numerics
-from gefen_kernels.ops._step_kernels import launch_step
+from gefen_kernels.ops._step_kernels import SPLIT_ELEMENTS, choose_route, launch_step
 from gefen_kernels.ops.block_step import block_step, block_step_reference, block_step_triton
 
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
@@ -406,6 +406,20 @@ def test_triton_every_route(route: str, period: int, num_blocks: int, split: int
     _run_pair(param, grad, state, cb, **kw)
     _run_pair(param, grad, state, cb, stochastic_round=True, seed=-(2**62) - 3, maximize=True,
               **kw)
+
+
+def test_route_choice_splits_only_blocks_longer_than_one_split() -> None:
+    """Tiles up to 4096 elements a block; the loop route (one launch) for blocks that fit one
+    split, where the split route would run the same programs in two launches with a torch
+    merge; the split route only for longer blocks that are too few to fill the device (off
+    CUDA the rule assumes 8 SMs, so 32 blocks fill it)."""
+    cpu = torch.device("cpu")
+    assert choose_route(16, 4096, cpu) == "tile"
+    assert choose_route(16, 8192, cpu) == "loop"
+    assert choose_route(1, SPLIT_ELEMENTS, cpu) == "loop"
+    assert choose_route(1, SPLIT_ELEMENTS + 1, cpu) == "split"
+    assert choose_route(31, SPLIT_ELEMENTS + 1, cpu) == "split"
+    assert choose_route(32, SPLIT_ELEMENTS + 1, cpu) == "loop"
 
 
 @pytest.mark.parametrize("period", [1, 64, 5003])

@@ -645,6 +645,10 @@ def choose_route(num_blocks: int, period: int, device: torch.device) -> str:
     """Performance-only routing (all routes give the same codes and scales)."""
     if period <= TILE_MAX_PERIOD:
         return "tile"
+    if period <= SPLIT_ELEMENTS:
+        # One split per block: the split route would run the loop route's programs as two
+        # launches with torch's merge between them (about nine launches for one tensor).
+        return "loop"
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:

@@ -393,3 +393,20 @@ def test_reports_record_the_variables_that_change_what_they_measure(
     assert env["GEFEN_CUDA_GRAPHS"] == "1" and env["TRITON_CACHE_DIR"] == "/tmp/cold"
     assert env["CC"] == "gcc-13"
     assert "HOME_TOKEN_NOT_RECORDED" not in env and "CCACHE_DIR" not in env
+
+
+def test_checkpointing_is_enabled_through_the_api_that_does_not_warn() -> None:
+    """``enable_checkpointing`` turns activation checkpointing on with the transformers API
+    that has no deprecation warning (``activation_checkpointing_enable`` in 5.x, whose older
+    name warns that v6 removes it)."""
+    import warnings
+
+    from gefen_bench.models import byte_llama, enable_checkpointing
+    from gefen_bench.presets import get_preset
+
+    model = byte_llama(get_preset("tiny").lm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        enable_checkpointing(model)
+    flag = getattr(model, "is_activation_checkpointing", None)
+    assert flag if flag is not None else model.is_gradient_checkpointing

@@ -133,6 +133,7 @@ def run_fit_probe(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
     import torch
     import torch.nn.functional as F
 
+    from .models import enable_checkpointing
     from .state_bytes import state_bytes_per_param
 
     device = torch.device(job["device"])
@@ -172,8 +173,7 @@ def run_fit_probe(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
             torch.set_default_dtype(previous)
         model.train()
         if job.get("checkpointing"):
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         opts = registry.build(name, named, lr=1e-4, weight_decay=0.0, device=device,

@@ -35,6 +35,18 @@ def byte_llama(cfg: LMConfig) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def enable_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer of a transformers model:
+    ``activation_checkpointing_enable`` where transformers has it (5.x, where the older
+    ``gradient_checkpointing_enable`` warns that v6 removes it), else the older name."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class DigitsCNN(nn.Module):
     """Two 3x3 convolutions, a 2x2 max-pool and two linear layers; input ``[N, 1, 8, 8]``."""
 

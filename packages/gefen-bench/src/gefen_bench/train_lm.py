@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from . import optimizers as registry
 from .data import eval_offsets, gather_windows, stdlib_corpus, window_offsets
 from .measure import MemoryMeter, synchronize
-from .models import byte_llama, warmup_cosine
+from .models import byte_llama, enable_checkpointing, warmup_cosine
 from .presets import LMConfig
 from .state_bytes import state_bytes_per_param
 
@@ -69,9 +69,7 @@ def run_lm_job(job: dict[str, Any], emit: Callable[[dict[str, Any]], None]
     torch.manual_seed(int(job.get("seed", 0)))
     model = byte_llama(cfg).to(device=device, dtype=_DTYPES[cfg.param_dtype])
     if cfg.checkpointing:
-        # A transformers model: nn.Module's __getattr__ types the method as Tensor | Module.
-        model.gradient_checkpointing_enable(  # type: ignore[operator]
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
 

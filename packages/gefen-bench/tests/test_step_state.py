@@ -202,7 +202,7 @@ def test_step_replot_draws_a_chart_from_saved_json(tmp_path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_step_cold_cache_first_step_builds_every_kernel_in_a_fresh_process(tmp_path) -> None:
+def test_step_cold_cache_first_step_builds_its_kernels_in_a_fresh_process(tmp_path) -> None:
     """``--first-step cold-cache`` gives each (optimizer, model) its own process on new, empty
     kernel caches: Gefen's first step on the CPU finds no native step built and builds it
     (where this machine builds one), torch's AdamW writes nothing; ``warm-cache`` runs the same

@@ -90,8 +90,9 @@ def versions() -> dict[str, str | None]:
 
 # Environment variables of the invoking process that change what a run measures (graph replay,
 # kernel paths and caches, the allocator, threads, visible devices), recorded in every report's
-# ``meta``. Workers inherit them, except what a command sets per worker (``--threads``, the
-# cold-cache directories of ``step --first-step cold-cache``), which its report records itself.
+# ``meta``. Workers inherit them, except what a command sets per worker: ``--threads``
+# (``threads_per_job`` in train's report) and the temporary cache directories of
+# ``step --first-step cold-cache`` (its rows' ``first_step_mode``).
 _RECORDED_PREFIXES = ("GEFEN_", "TRITON_", "TORCHINDUCTOR_")
 _RECORDED_NAMES = frozenset({"PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING",
                              "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "XDG_CACHE_HOME", "CC"})

@@ -494,3 +494,54 @@ def test_a_call_site_that_never_repeats_its_record_stops_recording_every_call(
         _op_record.record(*lists, codebook=codebook, beta1=0.9, beta2=0.999, eps=1e-8,
                           maximize=False, stochastic_round=False)
     assert len(builds) == retry + 2  # each of the first RETRY calls, then every RETRY-th
+
+
+def _loss_backward(params: list[torch.Tensor], step: int) -> None:
+    """A backward whose gradients are ``_grads``' (the "frozen" parameter gets none)."""
+    g = torch.Generator().manual_seed(100 + step)
+    loss = sum((p.float() * torch.randn(p.shape, generator=g)).sum()
+               for i, p in enumerate(params) if i != 4)
+    loss.backward()
+
+
+@pytest.mark.parametrize("cap", [0.0, 0.002])
+def test_in_backward_buckets_repeat_their_launches_with_the_full_steps_bits(
+        fused_on_cpu: dict[str, int], monkeypatch: pytest.MonkeyPatch, cap: float) -> None:
+    """``step_in_backward`` buckets (one tensor each, and several) take the recorded launches
+    from their second in-backward step on, and every step gives the bits of an optimizer that
+    only ever takes the full step; a replaced state tensor sends its bucket back to the full
+    step once, which records it again."""
+    from gefen_core import step_in_backward
+
+    counts = {"hit": 0, "miss": 0}
+    run = _steady_step.BucketStep.run
+
+    def counted(self: _steady_step.BucketStep, *args: Any) -> bool:
+        took = run(self, *args)
+        counts["hit" if took else "miss"] += 1
+        return took
+
+    monkeypatch.setattr(_steady_step.BucketStep, "run", counted)
+    a, b, pa, pb = _twins()
+    handle = step_in_backward(pa, a, bucket_cap_mb=cap)
+    hits = []
+    for step in range(6):
+        if step == 4:
+            for opt, ps in ((a, pa), (b, pb)):
+                _changes()["state_tensor"](opt, ps)
+        _loss_backward(pa, step)
+        _loss_backward(pb, step)
+        a.step()
+        _full_step(b)
+        a.zero_grad()
+        b.zero_grad()
+        _assert_same(a, b, pa, pb)
+        hits.append(counts["hit"])
+    handle.remove()
+    # Step 0 is the handle's full step, step 1 records each bucket, steps 2 and 3 repeat
+    # every bucket; at step 4 the bucket of the replaced codes misses once.
+    per_step = hits[2] - hits[1]
+    assert per_step >= (4 if cap == 0 else 2)
+    assert hits[1] == 0 and hits[3] - hits[2] == per_step
+    assert counts["miss"] == 1 and hits[4] - hits[3] == per_step - 1
+    assert hits[5] - hits[4] == per_step

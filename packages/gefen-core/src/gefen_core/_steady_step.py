@@ -62,7 +62,7 @@ from . import amp as _amp
 from . import dispatch as _dispatch
 from ._seeds import mix_seed, name_salt
 
-__all__ = ["SteadyStep", "build", "counter_buffer"]
+__all__ = ["BucketStep", "SteadyStep", "build", "build_bucket", "counter_buffer"]
 
 # The group options the recorded plans and paths depend on (lr and weight_decay only enter
 # the per-step scalars, which are recomputed every step).
@@ -116,7 +116,7 @@ class SteadyStep:
         # or -1 for a gradient that is validated but not stepped (no elements); the
         # gradient's dtype, shape (the parameter's), device (the parameter's) and 16-byte
         # alignment; the parameter's dtype and address; and, for a stepped parameter,
-        # ((state key, weak reference, address or None), ...) of the state its launches use,
+        # ((state key, weak reference, address), ...) of the state its launches use,
         # the two step counters last.
         self._expects = expects
 
@@ -149,37 +149,20 @@ class SteadyStep:
                     if g is not None:
                         return False
                     continue
-                call, dtype, shape, device, aligned, p_dtype, p_ptr, entries = e
-                if (g is None or g.layout is not _STRIDED or g.dtype is not dtype
-                        or g.shape != shape or g.device != device or not g.is_contiguous()
-                        or (g.data_ptr() & 15 == 0) is not aligned
-                        or p.dtype is not p_dtype or p.shape != shape or p.device != device
-                        or p.data_ptr() != p_ptr):
+                if g is None or not _gradient_fits(p, g, e):
                     return False
                 every.append(g)
+                call = e[0]
                 if call < 0:
                     continue
-                # Stepped: contiguous in place (a transposed view of a square matrix keeps
-                # its address and shape), and the state the launches were planned for.
-                if not p.is_contiguous():
-                    return False
                 st = state.get(p)
-                if st is None:
+                if st is None or not _state_fits(p, st, e[7]):
                     return False
-                for key, t_ref, ptr in entries:
-                    t = st.get(key)
-                    if t is None or t is not t_ref() or (ptr is not None
-                                                         and t.data_ptr() != ptr):
-                        return False
                 grads[call].append(g)
                 steps[call].append(st["step"])
                 sq_steps[call].append(st["exp_avg_sq_step"])
-        for call in calls:
-            codebook = call.codebook()
-            if (codebook is None or opt._codebook_on(call.device) is not codebook
-                    or codebook._version != call.codebook_version
-                    or codebook.data_ptr() != call.codebook_ptr):
-                return False
+        if not all(_codebook_fits(opt, call) for call in calls):
+            return False
         # Everything the full step would check and build is as recorded: from here on this
         # is the full step's work, in its order.
         overflow, inv_scale = _amp.overflow_and_inverse_scale(opt)
@@ -188,24 +171,7 @@ class SteadyStep:
         if inv_scale is not None:
             _amp.unscale_(every, inv_scale)
         for i, call in enumerate(calls):
-            group = call.group
-            # As in the full step: the group's lr is read before its counters move.
-            lr = opt._host_lr(group["lr"])
-            with torch.cuda.device(call.device):
-                buffer = call.counters() if call.counters is not None else None
-                n = len(steps[i])
-                if buffer is not None:
-                    # Every counter stepped here is a view of `buffer`, in this order (their
-                    # identity was checked above), and nothing else is.
-                    buffer.add_(1)
-                    values = buffer.tolist()
-                else:
-                    torch._foreach_add_(steps[i] + sq_steps[i], 1)
-                    values = [float(c.item()) for c in steps[i] + sq_steps[i]]
-                seeds = ([mix_seed(opt._global_step, s) for s in call.salts]
-                         if group["stochastic_round"] else None)
-                call.record.launch(grads[i], values[:n], values[n:], lr=lr,
-                                   weight_decay=group["weight_decay"], seeds=seeds)
+            _launch(opt, call, grads[i], steps[i], sq_steps[i])
         for t in opt._device_global_step.values():
             t.add_(1)
         opt._global_step += 1
@@ -237,12 +203,7 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
             if (any(s is not None for s in lists["factored_stats"])
                     or any(_dispatch.is_dtensor(p) for p in params)):
                 return None
-            beta1, beta2 = group["betas"]
-            record = FusedStepRecord.build(
-                params, lists["grads"], lists["codes"], lists["scales"], lists["sqs"],
-                lists["rows"], lists["cols"], codebook=lists["codebooks"][0], beta1=beta1,
-                beta2=beta2, eps=group["eps"], maximize=group["maximize"],
-                stochastic_round=group["stochastic_round"])
+            record = _record(group, lists)
             if record is None:
                 return None
             for p, sq in zip(params, lists["sqs"]):
@@ -273,21 +234,163 @@ def build(opt: Any, inits: Sequence[tuple[dict[str, Any], dict[str, dict[str, li
             if call >= 0:
                 if graded.get(id(p)) is not g:
                     return None
-                st = opt.state[p]
-                keys = ["exp_avg_codes", "exp_avg_scale"]
-                keys += (["exp_avg_sq_row", "exp_avg_sq_col"] if factored[id(p)]
-                         else ["exp_avg_sq"])
-                entries = tuple((k, weakref.ref(st[k]), st[k].data_ptr()) for k in keys)
-                # The counters' addresses too: a steady step advances the buffer they are views
-                # of (`_rehome_counters`), which `.set_()` or `.data =` would detach them from.
-                entries += tuple((k, weakref.ref(st[k]), st[k].data_ptr())
-                                 for k in ("step", "exp_avg_sq_step"))
+                entries = _state_entries(opt.state[p], factored[id(p)])
             elif p.numel() > 0:
                 return None
-            row.append((call, g.dtype, p.shape, p.device, g.data_ptr() & 15 == 0, p.dtype,
-                        p.data_ptr(), entries))
+            row.append(_expect(call, p, g, entries))
         expects.append(row)
     return SteadyStep(opt, calls, expects)
+
+
+class BucketStep:
+    """What the full step of one bucket of :func:`gefen_core.step_in_backward` launched: one
+    param group's gradients, in hook order, stepped together during the backward
+    (docs/algorithm.md#step-in-backward). :meth:`run` repeats those launches on a later
+    backward when the bucket holds the same parameters in the same order and everything
+    :class:`SteadyStep` checks for its tensors is unchanged, so that a bucket costs a few
+    checks per tensor and its launches instead of the full step's planning. Built by
+    :func:`build_bucket`; weak references only, as :class:`SteadyStep`."""
+
+    __slots__ = ("_group", "_options", "_params", "_call", "_expects")
+
+    def __init__(self, group: dict[str, Any], params: list[Tensor], call: _Call,
+                 expects: list[tuple[Any, ...]]) -> None:
+        self._group = group
+        self._options = _options(group)
+        self._params = [weakref.ref(p) for p in params]
+        self._call = call
+        self._expects = expects
+
+    def run(self, opt: Any, group: dict[str, Any],
+            entries: Sequence[tuple[Tensor, Tensor, str]]) -> bool:
+        """Step the bucket ``entries`` (``(param, grad, name)``, in hook order) of ``group``
+        if the recorded launches still apply; ``False`` (nothing done) otherwise."""
+        call = self._call
+        if (group is not self._group or len(entries) != len(self._params)
+                or _options(group) != self._options or not _codebook_fits(opt, call)):
+            return False
+        grads: list[Tensor] = []
+        steps: list[Tensor] = []
+        sq_steps: list[Tensor] = []
+        state = opt.state
+        for (p, g, _), ref, e in zip(entries, self._params, self._expects):
+            if p is not ref() or not _gradient_fits(p, g, e):
+                return False
+            st = state.get(p)
+            if st is None or not _state_fits(p, st, e[7]):
+                return False
+            grads.append(g)
+            steps.append(st["step"])
+            sq_steps.append(st["exp_avg_sq_step"])
+        _launch(opt, call, grads, steps, sq_steps)
+        return True
+
+
+def build_bucket(opt: Any, group: dict[str, Any], by_path: dict[str, dict[str, list[Any]]],
+                 entries: Sequence[tuple[Tensor, Tensor, str]]) -> BucketStep | None:
+    """Record the full step of one in-backward bucket that has just run (``by_path``: its
+    :meth:`Gefen._init_group` lists), or ``None`` where :class:`SteadyStep` would not record
+    it either: another path than the grouped fused launches, several devices, capturable,
+    DTensors or reduced statistics, no codebook."""
+    if (opt._codebook is None or opt._reduces_factored_stats or set(by_path) != {"fused"}
+            or group["capturable"]):
+        return None
+    lists = by_path["fused"]
+    params = lists["params"]
+    if (len(_dispatch.split_by_device(lists)) != 1 or len(params) != len(entries)
+            or any(s is not None for s in lists["factored_stats"])
+            or any(_dispatch.is_dtensor(p) for p in params)):
+        return None
+    record = _record(group, lists)
+    if record is None:
+        return None
+    call = _Call(group, lists, [name_salt(name) for _, _, name in entries], record)
+    call.counters = _rehome_counters([opt.state[p] for p, _, _ in entries])
+    expects = []
+    for (p, g, _), q, sq in zip(entries, params, lists["sqs"]):
+        if (p is not q or g.layout is not _STRIDED or g.shape != p.shape
+                or g.device != p.device):
+            return None
+        expects.append(_expect(0, p, g, _state_entries(opt.state[p], sq is None)))
+    return BucketStep(group, [p for p, _, _ in entries], call, expects)
+
+
+def _record(group: dict[str, Any], lists: dict[str, list[Any]]) -> FusedStepRecord | None:
+    beta1, beta2 = group["betas"]
+    return FusedStepRecord.build(
+        lists["params"], lists["grads"], lists["codes"], lists["scales"], lists["sqs"],
+        lists["rows"], lists["cols"], codebook=lists["codebooks"][0], beta1=beta1,
+        beta2=beta2, eps=group["eps"], maximize=group["maximize"],
+        stochastic_round=group["stochastic_round"])
+
+
+def _state_entries(st: dict[str, Any], factored: bool) -> tuple[tuple[str, Any, int], ...]:
+    """``(key, weak reference, address)`` of each state tensor the launches use, the two step
+    counters last: a steady step advances the buffer the counters are views of
+    (:func:`_rehome_counters`), which ``.set_()`` or ``.data =`` would detach them from."""
+    keys = ["exp_avg_codes", "exp_avg_scale"]
+    keys += ["exp_avg_sq_row", "exp_avg_sq_col"] if factored else ["exp_avg_sq"]
+    keys += ["step", "exp_avg_sq_step"]
+    return tuple((k, weakref.ref(st[k]), st[k].data_ptr()) for k in keys)
+
+
+def _expect(call: int, p: Tensor, g: Tensor, entries: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What :func:`_gradient_fits` and :func:`_state_fits` compare (see ``SteadyStep``)."""
+    return (call, g.dtype, p.shape, p.device, g.data_ptr() & 15 == 0, p.dtype, p.data_ptr(),
+            entries)
+
+
+def _gradient_fits(p: Tensor, g: Tensor, e: tuple[Any, ...]) -> bool:
+    """Whether gradient ``g`` of ``p`` takes the launches planned for ``e``'s: the validation
+    of docs/algorithm.md#step C and what chose the launch classes, and ``p`` in place."""
+    _, dtype, shape, device, aligned, p_dtype, p_ptr, _ = e
+    return not (g.layout is not _STRIDED or g.dtype is not dtype or g.shape != shape
+                or g.device != device or not g.is_contiguous()
+                or (g.data_ptr() & 15 == 0) is not aligned or p.dtype is not p_dtype
+                or p.shape != shape or p.device != device or p.data_ptr() != p_ptr)
+
+
+def _state_fits(p: Tensor, st: dict[str, Any], entries: tuple[Any, ...]) -> bool:
+    """Whether a stepped ``p`` is contiguous (a transposed view of a square matrix keeps its
+    address and shape) and its state holds the tensors the launches were planned for."""
+    if not p.is_contiguous():
+        return False
+    for key, t_ref, ptr in entries:
+        t = st.get(key)
+        if t is None or t is not t_ref() or t.data_ptr() != ptr:
+            return False
+    return True
+
+
+def _codebook_fits(opt: Any, call: _Call) -> bool:
+    """The codebook is the same tensor on the call's device, unmodified, at the same address."""
+    codebook = call.codebook()
+    return not (codebook is None or opt._codebook_on(call.device) is not codebook
+                or codebook._version != call.codebook_version
+                or codebook.data_ptr() != call.codebook_ptr)
+
+
+def _launch(opt: Any, call: _Call, grads: list[Tensor], steps: list[Tensor],
+            sq_steps: list[Tensor]) -> None:
+    """Advance the call's counters and repeat its launches with this step's scalars (the
+    full step's order: the group's lr is read before its counters move)."""
+    group = call.group
+    lr = opt._host_lr(group["lr"])
+    with torch.cuda.device(call.device):
+        buffer = call.counters() if call.counters is not None else None
+        n = len(steps)
+        if buffer is not None:
+            # Every counter stepped here is a view of `buffer`, in this order (their identity
+            # was checked by the caller), and nothing else is.
+            buffer.add_(1)
+            values = buffer.tolist()
+        else:
+            torch._foreach_add_(steps + sq_steps, 1)
+            values = [float(c.item()) for c in steps + sq_steps]
+        seeds = ([mix_seed(opt._global_step, s) for s in call.salts]
+                 if group["stochastic_round"] else None)
+        call.record.launch(grads, values[:n], values[n:], lr=lr,
+                           weight_decay=group["weight_decay"], seeds=seeds)
 
 
 def _rehome_counters(states: Sequence[dict[str, Any]]) -> weakref.ref[Tensor] | None:

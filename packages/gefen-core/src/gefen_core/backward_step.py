@@ -9,7 +9,9 @@ use, and its gradient is set to ``None``; ``opt.step()`` then steps whatever sti
 gradient (nothing, or parameters no hook covers) and advances ``T``, its hooks and any LR
 scheduler's bookkeeping exactly once. The result is bit-identical to normal stepping, and the
 optimizer, its codebook and its ``state_dict()`` are the normal ones, so checkpoints move freely
-between the two.
+between the two. A bucket of the same parameters as on the previous backward repeats the
+launches its last full step recorded (:class:`gefen_core._steady_step.BucketStep`, with the
+eager steady step's checks) instead of planning them again.
 
 The handle's first step, a step that learns or refreshes the codebook, and a parameter's first
 step (its period search) are full steps: the hooks keep those gradients and ``opt.step()`` does
@@ -38,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gefen_kernels.ops import histogram_sum
 
-from . import _compiled_step
+from . import _compiled_step, _steady_step
 from . import dispatch as _dispatch
 from . import nonfinite as _nonfinite
 from .codebook import optimal_codebook
@@ -193,6 +195,9 @@ class BackwardStep:
         self._bucket_group: dict[str, Any] | None = None
         self._bucket_bytes = 0
         self._flush_queued = False
+        # Per bucket (its parameters' ids in hook order): the launches of its last full step,
+        # repeated while nothing they depend on changes (_steady_step.BucketStep).
+        self._records: dict[tuple[int, ...], _steady_step.BucketStep] = {}
         self._checked = False  # this step's gradients were compared at a step pre-hook
         # The smallest hooked parameter of each param group keeps its gradient until
         # optimizer.step() on every step: gradient processing between backward and step
@@ -225,6 +230,7 @@ class BackwardStep:
         # gradients still waiting in a bucket (they are on their parameters).
         self._offloaded.restore()
         self._bucket, self._bucket_group, self._bucket_bytes = [], None, 0
+        self._records.clear()
         if _HANDLES.get(self._target) is self:
             del _HANDLES[self._target]
 
@@ -322,8 +328,20 @@ class BackwardStep:
         if not entries or group is None:
             return
         self._bucket, self._bucket_bytes = [], 0
+        opt = self._target
+        key = tuple(id(p) for p, _, _ in entries)
+        record = self._records.get(key)
         with torch.no_grad():
-            self._target._step_group(group, self._target._init_group(group, entries, {}))
+            if record is None or not record.run(opt, group, entries):
+                by_path = opt._init_group(group, entries, {})
+                opt._step_group(group, by_path)
+                record = _steady_step.build_bucket(opt, group, by_path, entries)
+                if record is None:
+                    self._records.pop(key, None)
+                else:
+                    if len(self._records) >= 2 * len(self._params):
+                        self._records.clear()  # buckets that changed from one backward to the next
+                    self._records[key] = record
         for p, _, _ in entries:
             p.grad = None
 

@@ -545,3 +545,32 @@ def test_in_backward_buckets_repeat_their_launches_with_the_full_steps_bits(
     assert hits[1] == 0 and hits[3] - hits[2] == per_step
     assert counts["miss"] == 1 and hits[4] - hits[3] == per_step - 1
     assert hits[5] - hits[4] == per_step
+
+
+def test_in_backward_buckets_with_tensor_betas_take_the_full_step(
+        fused_on_cpu: dict[str, int]) -> None:
+    """Tensor betas changed in place between backwards (a scheduler's way) reach every
+    bucket's step: buckets are not recorded while any group's betas are tensors, so the
+    steps stay those of an optimizer that only ever takes the full step."""
+    from gefen_core import step_in_backward
+
+    def make() -> tuple[Gefen, list[torch.Tensor]]:
+        named = _model()
+        opt = Gefen(named, lr=1e-3, min_dim_size_to_factor=0,
+                    betas=(torch.tensor(0.9), torch.tensor(0.999)))
+        return opt, [p for _, p in named]
+
+    (a, pa), (b, pb) = make(), make()
+    handle = step_in_backward(pa, a, bucket_cap_mb=0.002)
+    for step in range(5):
+        if step == 3:
+            for opt in (a, b):
+                opt.param_groups[0]["betas"][0].fill_(0.5)
+        _loss_backward(pa, step)
+        _loss_backward(pb, step)
+        a.step()
+        _full_step(b)
+        a.zero_grad()
+        b.zero_grad()
+        _assert_same(a, b, pa, pb)
+    handle.remove()

@@ -266,8 +266,11 @@ class BucketStep:
         """Step the bucket ``entries`` (``(param, grad, name)``, in hook order) of ``group``
         if the recorded launches still apply; ``False`` (nothing done) otherwise."""
         call = self._call
+        # Tensor betas compare equal to themselves after an in-place change, and the recorded
+        # launches hold their values: as in Gefen.step, they take the full step.
         if (group is not self._group or len(entries) != len(self._params)
-                or _options(group) != self._options or not _codebook_fits(opt, call)):
+                or opt._has_tensor_betas() or _options(group) != self._options
+                or not _codebook_fits(opt, call)):
             return False
         grads: list[Tensor] = []
         steps: list[Tensor] = []
@@ -291,9 +294,9 @@ def build_bucket(opt: Any, group: dict[str, Any], by_path: dict[str, dict[str, l
     """Record the full step of one in-backward bucket that has just run (``by_path``: its
     :meth:`Gefen._init_group` lists), or ``None`` where :class:`SteadyStep` would not record
     it either: another path than the grouped fused launches, several devices, capturable,
-    DTensors or reduced statistics, no codebook."""
+    DTensors or reduced statistics, no codebook, tensor betas."""
     if (opt._codebook is None or opt._reduces_factored_stats or set(by_path) != {"fused"}
-            or group["capturable"]):
+            or group["capturable"] or opt._has_tensor_betas()):
         return None
     lists = by_path["fused"]
     params = lists["params"]

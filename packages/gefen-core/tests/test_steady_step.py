@@ -504,6 +504,19 @@ def _loss_backward(params: list[torch.Tensor], step: int) -> None:
     loss.backward()
 
 
+def _backward_both(a: Gefen, b: Gefen, pa: list[torch.Tensor], pb: list[torch.Tensor],
+                   step: int) -> None:
+    """One backward and ``opt.step()`` of each twin, ``a`` stepping in backward and ``b``
+    through the full step; the same bits after it."""
+    _loss_backward(pa, step)
+    _loss_backward(pb, step)
+    a.step()
+    _full_step(b)
+    a.zero_grad()
+    b.zero_grad()
+    _assert_same(a, b, pa, pb)
+
+
 @pytest.mark.parametrize("cap", [0.0, 0.002])
 def test_in_backward_buckets_repeat_their_launches_with_the_full_steps_bits(
         fused_on_cpu: dict[str, int], monkeypatch: pytest.MonkeyPatch, cap: float) -> None:
@@ -529,13 +542,7 @@ def test_in_backward_buckets_repeat_their_launches_with_the_full_steps_bits(
         if step == 4:
             for opt, ps in ((a, pa), (b, pb)):
                 _changes()["state_tensor"](opt, ps)
-        _loss_backward(pa, step)
-        _loss_backward(pb, step)
-        a.step()
-        _full_step(b)
-        a.zero_grad()
-        b.zero_grad()
-        _assert_same(a, b, pa, pb)
+        _backward_both(a, b, pa, pb, step)
         hits.append(counts["hit"])
     handle.remove()
     # Step 0 is the handle's full step, step 1 records each bucket, steps 2 and 3 repeat
@@ -566,11 +573,5 @@ def test_in_backward_buckets_with_tensor_betas_take_the_full_step(
         if step == 3:
             for opt in (a, b):
                 opt.param_groups[0]["betas"][0].fill_(0.5)
-        _loss_backward(pa, step)
-        _loss_backward(pb, step)
-        a.step()
-        _full_step(b)
-        a.zero_grad()
-        b.zero_grad()
-        _assert_same(a, b, pa, pb)
+        _backward_both(a, b, pa, pb, step)
     handle.remove()
